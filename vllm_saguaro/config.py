@@ -1,0 +1,153 @@
+"""SaguaroConfig: the plugin's one configuration model, validated once.
+
+A config comes from a YAML/JSON file path, or a dict with ``method: saguaro`` (what
+``--speculative-config`` and ``LLM(speculative_config=...)`` carry). Errors name the
+field and the fix; nothing is silently defaulted away.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+METHOD = "saguaro"
+
+
+class SaguaroConfigError(ValueError):
+    """A bad Saguaro config: the message says which field and how to fix it."""
+
+
+class FanoutConfig(BaseModel):
+    """How many verification outcomes to pre-speculate per accepted length k.
+
+    ``geometric`` follows the paper's Theorem 12 for a total ``budget`` of branches per
+    sequence; ``uniform`` caches ``width`` bonus-token candidates at every k.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["geometric", "uniform"] = "geometric"
+    budget: int = Field(8, ge=1, le=256, description="branches per sequence (geometric)")
+    width: int = Field(2, ge=1, le=64, description="outcomes per k (uniform)")
+    acceptance_rate: float = Field(
+        0.6, gt=0.0, lt=1.0, description="prior for the draft's per-token acceptance a_p"
+    )
+    miss_exponent: float = Field(
+        1.0, gt=0.0, description="r in the power-law miss model P(miss | F) = F^-r"
+    )
+
+
+class SaguaroConfig(BaseModel):
+    """Everything the plugin needs; see configs/saguaro.yaml for a documented example."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    method: Literal["saguaro"] = METHOD
+    draft_model: str = Field(..., description="path to a HF Llama/Qwen2/Qwen3 draft checkpoint")
+    num_speculative_tokens: int = Field(4, ge=1, le=32, description="K, draft tokens per round")
+    fanout: FanoutConfig = Field(default_factory=FanoutConfig)
+    saguaro_c: float = Field(1.0, ge=0.0, le=1.0, description="C in sigma_{F,C}; 1 = plain draft")
+    fallback: Literal["neural"] = Field(
+        "neural", description="backup speculator on a cache miss ('fast'/'auto' later)"
+    )
+    draft_device: str = Field("cpu", description="'cpu' or 'cuda:N' (a GPU vLLM does not use)")
+    draft_cpu_cores: list[int] | None = Field(
+        None, description="cores the draft worker is bound to on CPU (default: the last core)"
+    )
+    draft_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    async_: bool = Field(
+        True, alias="async", description="false = plain synchronous SD in the same worker"
+    )
+    force_cache_miss: bool = Field(
+        False, description="testing switch: every lookup misses, so the fallback drafts"
+    )
+    log_stats_interval_s: float = Field(10.0, ge=0.0, description="0 disables the SSD log line")
+
+    @field_validator("draft_model")
+    @classmethod
+    def _draft_exists(cls, v: str) -> str:
+        path = Path(os.path.expanduser(v))
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"draft_model {v!r} is not a local HF checkpoint directory (no config.json "
+                "there). Give the path of a saved Llama/Qwen checkpoint; models cannot be "
+                "fetched from a hub."
+            )
+        return str(path.resolve())
+
+    @field_validator("draft_device")
+    @classmethod
+    def _device_form(cls, v: str) -> str:
+        if v == "cpu" or (v.startswith("cuda:") and v[5:].isdigit()):
+            return v
+        raise ValueError(f"draft_device {v!r} must be 'cpu' or 'cuda:N' (e.g. 'cuda:1')")
+
+    @model_validator(mode="after")
+    def _cores_only_on_cpu(self) -> "SaguaroConfig":
+        if self.draft_cpu_cores is not None:
+            if self.draft_device != "cpu":
+                raise ValueError("draft_cpu_cores applies only when draft_device is 'cpu'")
+            if not self.draft_cpu_cores or any(c < 0 for c in self.draft_cpu_cores):
+                raise ValueError("draft_cpu_cores must be a non-empty list of core ids >= 0")
+        return self
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return json.loads(self.model_dump_json(by_alias=True))
+
+
+def _format_errors(err: ValidationError, source: str) -> str:
+    lines = [f"invalid Saguaro speculative config ({source}):"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            model = FanoutConfig if e["loc"][0] == "fanout" else SaguaroConfig
+            known = ", ".join(sorted(f.alias or n for n, f in model.model_fields.items()))
+            msg = f"unknown key; known keys: {known}"
+        else:
+            msg = e["msg"]
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def looks_like_config_path(value: Any) -> bool:
+    return isinstance(value, (str, os.PathLike)) and str(value).endswith((".yaml", ".yml", ".json"))
+
+
+def read_config_file(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(os.path.expanduser(str(path)))
+    if not p.is_file():
+        raise SaguaroConfigError(f"speculative config file {str(path)!r} does not exist")
+    data = yaml.safe_load(p.read_text())  # YAML is a superset of JSON
+    if not isinstance(data, dict):
+        raise SaguaroConfigError(f"speculative config file {str(path)!r} must hold a mapping")
+    return data
+
+
+def is_saguaro_spec(value: Any) -> bool:
+    """True if a ``speculative_config`` value asks for this plugin."""
+    if looks_like_config_path(value):
+        return read_config_file(value).get("method") == METHOD
+    return isinstance(value, dict) and value.get("method") == METHOD
+
+
+def load_config(value: str | os.PathLike | dict[str, Any] | SaguaroConfig) -> SaguaroConfig:
+    """Validate a path, dict or config once; raise SaguaroConfigError with every problem."""
+    if isinstance(value, SaguaroConfig):
+        return value
+    source = "dict"
+    if looks_like_config_path(value):
+        source = str(value)
+        value = read_config_file(value)
+    if not isinstance(value, dict):
+        raise SaguaroConfigError(
+            f"speculative config must be a YAML/JSON file path or a mapping, got {value!r}"
+        )
+    data = {k.replace("-", "_") if k != "async" else k: v for k, v in value.items()}
+    try:
+        return SaguaroConfig.model_validate(data)
+    except ValidationError as err:
+        raise SaguaroConfigError(_format_errors(err, source)) from None

@@ -1,0 +1,43 @@
+"""Fan-out: how many bonus-token candidates to pre-speculate for each accepted length k."""
+from __future__ import annotations
+
+
+def _round_to_budget(weights: list[float], budget: int) -> list[int]:
+    """Largest-remainder rounding so the integers sum to exactly the budget."""
+    total = sum(weights)
+    exact = [budget * w / total for w in weights]
+    counts = [int(x) for x in exact]
+    order = sorted(range(len(exact)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in order[: budget - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def geometric_fanout(k_max: int, budget: int, acceptance_rate: float, miss_exponent: float) -> list[int]:
+    """Theorem 12: F_k proportional to a^(k/(1+r)), the last one boosted by (1-a)^(-1/(1+r)).
+
+    It mirrors the capped-geometric law of the accepted length: outcomes that occur more
+    often get more cached bonus-token candidates. Returns K+1 counts summing to budget.
+    """
+    if not 0.0 < acceptance_rate < 1.0:
+        raise ValueError("acceptance_rate must be in (0, 1)")
+    if budget < 1 or k_max < 1:
+        raise ValueError("budget and K must be >= 1")
+    e = 1.0 / (1.0 + miss_exponent)
+    weights = [acceptance_rate ** (k * e) for k in range(k_max)]
+    weights.append(acceptance_rate ** (k_max * e) * (1.0 - acceptance_rate) ** (-e))
+    return _round_to_budget(weights, budget)
+
+
+def uniform_fanout(k_max: int, width: int) -> list[int]:
+    """The reference engine's default: the same number of candidates at every k."""
+    return [width] * (k_max + 1)
+
+
+def fanout_for(policy: str, k_max: int, *, budget: int, width: int,
+               acceptance_rate: float, miss_exponent: float) -> list[int]:
+    if policy == "geometric":
+        return geometric_fanout(k_max, budget, acceptance_rate, miss_exponent)
+    if policy == "uniform":
+        return uniform_fanout(k_max, width)
+    raise ValueError(f"unknown fan-out policy {policy!r}")

@@ -1,0 +1,35 @@
+"""The paper's speedup formulas, to put predictions next to measurements."""
+from __future__ import annotations
+
+
+def expected_tokens_per_round(acceptance_rate: float, k: int) -> float:
+    """E[tokens per round] = (1 - a^(K+1)) / (1 - a) under i.i.d. acceptance."""
+    a = acceptance_rate
+    if a >= 1.0:
+        return float(k + 1)
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
+def sd_speedup(expected_tokens: float, draft_time_ratio: float) -> float:
+    """SD over autoregressive: E / (1 + T_SD), T_SD = drafting time / verify time."""
+    return expected_tokens / (1.0 + draft_time_ratio)
+
+
+def ssd_speedup(p_hit: float, e_hit: float, e_miss: float, t_primary: float, t_backup: float,
+                batch_size: int = 1) -> float:
+    """Theorem 7 (batch 1) and its batched form: one miss stalls the whole step."""
+    p_all = p_hit ** batch_size
+    tokens = p_hit * e_hit + (1.0 - p_hit) * e_miss
+    time = p_all * max(1.0, t_primary) + (1.0 - p_all) * (1.0 + t_backup)
+    return tokens / time
+
+
+def fallback_crossover(p_hit: float, e_hit: float, e_miss_neural: float, e_miss_fast: float,
+                       t_primary: float, t_neural: float, t_fast: float, max_batch: int = 1024) -> int | None:
+    """b*: the smallest batch size at which the fast backup beats the neural one."""
+    for b in range(1, max_batch + 1):
+        neural = ssd_speedup(p_hit, e_hit, e_miss_neural, t_primary, t_neural, b)
+        fast = ssd_speedup(p_hit, e_hit, e_miss_fast, t_primary, t_fast, b)
+        if fast > neural:
+            return b
+    return None

@@ -1,0 +1,189 @@
+"""The draft model: a plain-torch Llama / Qwen2 / Qwen3 forward over paged context KV.
+
+One forward serves every draft pass (prefill, glue, fallback decode, tree decode): the
+caller passes the gathered context KV, any earlier scratch KV, and one boolean mask over
+[context | scratch | new tokens]. The tree mask of the paper is just such a mask.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+KV = tuple[torch.Tensor, torch.Tensor]  # each [N, Hkv, L, D]
+
+
+@dataclass
+class DraftSpec:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    tie_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> "DraftSpec":
+        cfg = json.loads((Path(path) / "config.json").read_text())
+        mtype = cfg.get("model_type")
+        if mtype not in SUPPORTED_TYPES:
+            raise ValueError(
+                f"draft model type {mtype!r} is not supported; use one of {SUPPORTED_TYPES}"
+            )
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        theta = cfg.get("rope_theta") or rope.get("rope_theta") or 10000.0
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "llama3"):
+            raise ValueError(f"draft rope type {rope_type!r} is not supported")
+        heads = cfg["num_attention_heads"]
+        return cls(
+            model_type=mtype,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads", heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=rope if rope_type == "llama3" else None,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", mtype == "qwen2")),
+            qk_norm=mtype == "qwen3",
+        )
+
+
+def _load_weights(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def _inv_freq(spec: DraftSpec) -> torch.Tensor:
+    d = spec.head_dim
+    inv = 1.0 / (spec.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = spec.rope_scaling
+    if s:  # Llama 3.x frequency-dependent scaling
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (1 - smooth) * inv / factor + smooth * inv
+        is_mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(is_mid, mid, scaled)
+    return inv.float()
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * w.float()).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class DraftModel:
+    """Weights as plain tensors; forward() is the whole model."""
+
+    def __init__(self, path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                 device: str | torch.device = "cpu"):
+        path = Path(path)
+        self.spec = spec = DraftSpec.from_dir(path)
+        self.dtype, self.device = dtype, torch.device(device)
+        w = {k: v.to(device=self.device, dtype=dtype) for k, v in _load_weights(path).items()}
+
+        def get(name: str) -> torch.Tensor:
+            if name not in w:
+                raise KeyError(f"draft checkpoint {path} lacks weight {name!r}")
+            return w[name]
+
+        self.embed = get("model.embed_tokens.weight")
+        self.lm_head = w.get("lm_head.weight", self.embed if spec.tie_embeddings else None)
+        if self.lm_head is None:
+            raise KeyError(f"draft checkpoint {path} has no lm_head and untied embeddings")
+        self.final_norm = get("model.norm.weight")
+        self.layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            layer = {n: get(p + n + ".weight") for n in (
+                "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+                "input_layernorm", "post_attention_layernorm")}
+            for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                layer[n + ".bias"] = w.get(p + n + ".bias")
+            if spec.qk_norm:
+                layer["self_attn.q_norm"] = get(p + "self_attn.q_norm.weight")
+                layer["self_attn.k_norm"] = get(p + "self_attn.k_norm.weight")
+            self.layers.append(layer)
+        self.inv_freq = _inv_freq(spec).to(self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+                context: list[KV] | None = None, scratch: list[KV] | None = None,
+                ) -> tuple[torch.Tensor, list[KV]]:
+        """input_ids/positions [N, T]; mask [N, 1, T, Lctx + Lscratch + T] (True = attend).
+
+        Returns the final-normed hidden states [N, T, hidden] and each layer's new KV.
+        """
+        s = self.spec
+        n, t = input_ids.shape
+        x = self.embed[input_ids]
+        freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [N, T, D/2]
+        cos = freqs.cos()[:, None].to(self.dtype)
+        sin = freqs.sin()[:, None].to(self.dtype)
+        new_kv: list[KV] = []
+        for i, L in enumerate(self.layers):
+            h = _rms(x, L["input_layernorm"], s.rms_eps)
+            q = F.linear(h, L["self_attn.q_proj"], L["self_attn.q_proj.bias"])
+            k = F.linear(h, L["self_attn.k_proj"], L["self_attn.k_proj.bias"])
+            v = F.linear(h, L["self_attn.v_proj"], L["self_attn.v_proj.bias"])
+            q = q.view(n, t, s.num_heads, s.head_dim).transpose(1, 2)
+            k = k.view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            v = v.view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
+            if s.qk_norm:
+                q = _rms(q, L["self_attn.q_norm"], s.rms_eps)
+                k = _rms(k, L["self_attn.k_norm"], s.rms_eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            new_kv.append((k, v))
+            ks, vs = [], []
+            if context is not None:
+                ks.append(context[i][0]); vs.append(context[i][1])
+            if scratch is not None:
+                ks.append(scratch[i][0]); vs.append(scratch[i][1])
+            ks.append(k); vs.append(v)
+            kk = torch.cat(ks, dim=2) if len(ks) > 1 else k
+            vv = torch.cat(vs, dim=2) if len(vs) > 1 else v
+            a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
+            a = a.transpose(1, 2).reshape(n, t, s.num_heads * s.head_dim)
+            x = x + F.linear(a, L["self_attn.o_proj"])
+            h = _rms(x, L["post_attention_layernorm"], s.rms_eps)
+            x = x + F.linear(F.silu(F.linear(h, L["mlp.gate_proj"])) * F.linear(h, L["mlp.up_proj"]),
+                             L["mlp.down_proj"])
+        return _rms(x, self.final_norm, s.rms_eps), new_kv
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()

@@ -1,0 +1,92 @@
+"""SSD's own figures: cache hit rate, fallback use, and how long the target waited.
+
+vLLM's spec-decode counters (drafts, accepted tokens) keep working untouched; these add
+what vLLM has no path for. They are Prometheus counters in the process that runs the
+proposer (so `LLM.get_metrics()` sees them with an in-process engine) and a periodic log
+line everywhere.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("vllm_saguaro")
+
+_COUNTERS: dict | None = None
+
+
+def _counters() -> dict:
+    """Created once per process (Prometheus refuses a name twice), and registered again
+    when a new vLLM engine has unregistered every "vllm:" collector, as it does at start."""
+    global _COUNTERS
+    if _COUNTERS is not None:
+        from prometheus_client import REGISTRY
+
+        for counter in _COUNTERS.values():
+            if counter not in REGISTRY._collector_to_names:
+                REGISTRY.register(counter)
+    else:
+        from prometheus_client import Counter
+
+        def c(name: str, doc: str) -> Counter:
+            return Counter(f"vllm:saguaro_{name}", doc)
+
+        _COUNTERS = {
+            "rounds": c("rounds", "Verification rounds with SSD drafting"),
+            "lookups": c("cache_lookups", "Speculation-cache lookups (one per sequence-round)"),
+            "hits": c("cache_hits", "Speculation-cache hits"),
+            "fallbacks": c("fallback_drafts", "Sequences drafted by the fallback (misses, new, resync)"),
+            "wait": c("draft_wait_seconds", "Time the target waited on the draft worker"),
+        }
+    return _COUNTERS
+
+
+@dataclass
+class SaguaroMetrics:
+    log_interval_s: float
+    rounds: int = 0
+    seqs: int = 0
+    lookups: int = 0
+    hits: int = 0
+    fallbacks: int = 0
+    wait_prespec_s: float = 0.0   # waiting for pre-speculation to finish (draft too slow)
+    wait_step_s: float = 0.0      # lookup + fallback drafting + communication
+    _last_log: float = field(default_factory=time.monotonic)
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def record_round(self, flags: list, wait_prespec: float, wait_step: float) -> None:
+        lookups = sum(f is not None for f in flags)
+        hits = sum(f is True for f in flags)
+        fallbacks = sum(f is not True for f in flags)
+        self.rounds += 1
+        self.seqs += len(flags)
+        self.lookups += lookups
+        self.hits += hits
+        self.fallbacks += fallbacks
+        self.wait_prespec_s += wait_prespec
+        self.wait_step_s += wait_step
+        c = _counters()
+        c["rounds"].inc()
+        c["lookups"].inc(lookups)
+        c["hits"].inc(hits)
+        c["fallbacks"].inc(fallbacks)
+        c["wait"].inc(wait_prespec + wait_step)
+        now = time.monotonic()
+        if self.log_interval_s and now - self._last_log >= self.log_interval_s:
+            self._last_log = now
+            logger.info("Saguaro SSD: %s", self.summary())
+
+    def summary(self) -> str:
+        return (f"cache hit rate {self.hit_rate:.3f} ({self.hits}/{self.lookups}), "
+                f"fallback drafts {self.fallbacks}, rounds {self.rounds}, "
+                f"target waited {self.wait_prespec_s + self.wait_step_s:.2f}s "
+                f"(pre-speculation {self.wait_prespec_s:.2f}s, lookup/fallback {self.wait_step_s:.2f}s)")
+
+    def as_dict(self) -> dict:
+        return {"rounds": self.rounds, "seqs": self.seqs, "lookups": self.lookups,
+                "hits": self.hits, "hit_rate": self.hit_rate, "fallbacks": self.fallbacks,
+                "wait_prespec_s": self.wait_prespec_s, "wait_step_s": self.wait_step_s}

