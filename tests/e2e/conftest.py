@@ -27,8 +27,10 @@ def release(llm):
     """
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
+    from vllm_saguaro.vllm_glue.proposer import SaguaroProposer
+
     drafter = drafter_of(llm)
-    if drafter is not None:
+    if isinstance(drafter, SaguaroProposer):
         drafter.shutdown()
     llm.llm_engine.engine_core.shutdown()
     cleanup_dist_env_and_memory()

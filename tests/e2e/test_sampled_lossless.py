@@ -56,11 +56,6 @@ def test_saguaro_ssd_matches_exact(tiny_target, spec_base, exact):
     assert_follows(sample_pairs(tiny_target, spec_base), exact, "saguaro ssd")
 
 
-def test_saguaro_forced_miss_matches_exact(tiny_target, spec_base, exact):
-    spec = dict(spec_base, force_cache_miss=True)
-    assert_follows(sample_pairs(tiny_target, spec), exact, "saguaro forced miss")
-
-
 def test_builtin_draft_model_fixed_by_plugin(tiny_target, exact):
     spec = {"method": "draft_model", "model": str(tiny_target), "num_speculative_tokens": 3}
     assert_follows(sample_pairs(tiny_target, spec), exact, "vLLM draft_model + plugin patch")

@@ -1,0 +1,128 @@
+"""`vllm-saguaro serve TARGET --speculative-config saguaro.yaml`: the OpenAI endpoints with SSD.
+
+The server runs as a user would start it (subprocess, own engine process); the test talks
+HTTP on loopback only and always stops the server.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+import yaml
+
+from tests.e2e.conftest import make_llm, release
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_target, spec_base, tmp_path_factory):
+    d = tmp_path_factory.mktemp("server")
+    spec_path = d / "saguaro.yaml"
+    spec_path.write_text(yaml.safe_dump(dict(spec_base, log_stats_interval_s=1)))
+    port = free_port()
+    log = open(d / "server.log", "w")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               RAY_AUTH_MODE="disabled")
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as a user runs it: engine in its own process
+    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm-saguaro"), "serve",
+           str(tiny_target), "--speculative-config", str(spec_path), "--port", str(port),
+           "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "512",
+           "--served-model-name", "tiny", "--seed", "0"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            if proc.poll() is not None:
+                pytest.fail("server exited:\n" + (d / "server.log").read_text()[-4000:])
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(1)
+        else:
+            pytest.fail("server not healthy in 240 s:\n" + (d / "server.log").read_text()[-4000:])
+        yield url, proc, d / "server.log"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGINT)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+PROMPT = "w10 w11 w12 w13 w14"
+
+
+def test_completions_greedy_identical_to_plain(server, tiny_target):
+    url, _, _ = server
+    r = requests.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["text"]
+    from vllm import SamplingParams
+
+    llm = make_llm(tiny_target)
+    ref = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    release(llm)
+    assert text == ref[0].outputs[0].text
+
+
+def test_chat_and_streaming(server):
+    url, _, _ = server
+    r = requests.post(url + "/v1/chat/completions", timeout=120, json={
+        "model": "tiny", "messages": [{"role": "user", "content": "w20 w21"}],
+        "max_tokens": 12, "temperature": 0})
+    assert r.status_code == 200, r.text
+    chat_text = r.json()["choices"][0]["message"]["content"]
+    assert chat_text
+    chunks = []
+    with requests.post(url + "/v1/chat/completions", timeout=120, stream=True, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "w20 w21"}],
+            "max_tokens": 12, "temperature": 0, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line.startswith(b"data: ") and line != b"data: [DONE]":
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                chunks.append(delta.get("content") or "")
+    assert len(chunks) > 2 and "".join(chunks) == chat_text
+    r = requests.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 8
+
+
+def test_metrics_page_has_ssd_figures(server):
+    url, _, _ = server
+    requests.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0})
+    page = requests.get(url + "/metrics", timeout=30).text
+    values = {}
+    for line in page.splitlines():
+        if line.startswith("vllm:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = values.get(name.split("{")[0], 0) + float(value)
+    assert values.get("vllm:spec_decode_num_drafts_total", 0) > 0
+    assert values.get("vllm:saguaro_cache_lookups_total", 0) > 0
+    assert "vllm:saguaro_cache_hits_total" in values
+
+
+def test_server_stops_cleanly(server):
+    _, proc, log = server
+    os.killpg(proc.pid, signal.SIGINT)
+    assert proc.wait(timeout=60) is not None
+    assert "Traceback" not in log.read_text()
