@@ -5,17 +5,24 @@ import numpy as np
 import torch
 
 
-def exact_two_token_distribution(model_dir, prompt_ids: list[int]) -> torch.Tensor:
-    """P(t1, t2 | prompt) at temperature 1, float64 [V, V], computed with transformers."""
+def exact_two_token_distribution(model_dir, prompt_ids: list[int], temperature: float = 1.0,
+                                 top_p: float = 1.0) -> torch.Tensor:
+    """P(t1, t2 | prompt) under (temperature, top-p) sampling, float64 [V, V], computed
+    with transformers and vLLM's top-p rule (the smallest top set reaching top_p)."""
     from transformers import LlamaForCausalLM
+
+    from vllm_saguaro.core.sampling import top_k_top_p_mask
+
+    def dist(logits):
+        return top_k_top_p_mask(logits.double() / temperature, 0, top_p).softmax(-1)
 
     model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     with torch.no_grad():
         ids = torch.tensor([prompt_ids])
-        p1 = model(ids).logits[0, -1].double().softmax(-1)
+        p1 = dist(model(ids).logits[0, -1:])[0]
         v = p1.shape[0]
         batch = torch.cat([ids.expand(v, -1), torch.arange(v)[:, None]], dim=1)
-        p2 = model(batch).logits[:, -1].double().softmax(-1)
+        p2 = dist(model(batch).logits[:, -1])
     return p1[:, None] * p2
 
 

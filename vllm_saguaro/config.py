@@ -59,6 +59,9 @@ class SaguaroConfig(BaseModel):
         None, description="cores the draft worker is bound to on CPU (default: the last core)"
     )
     draft_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    draft_head_tokens: int | None = Field(
+        None, ge=2, description="keep only the N most frequent tokens in the draft's output "
+        "head (cheaper drafts; q = 0 elsewhere, still lossless); null = full vocabulary")
     async_: bool = Field(
         True, alias="async", description="false = plain synchronous SD in the same worker"
     )

@@ -38,9 +38,9 @@ def test_fallback_and_branches_are_greedy_continuations(tiny_target):
     hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
     w = worker(tiny_target)
     prompts = {"a": [5, 17, 99, 3, 250, 7], "b": [9, 8, 7, 300, 301, 302, 303, 11, 12]}
-    out = w.step([(r, None, p) for r, p in prompts.items()], [])
-    for (draft, hit), p in zip(out, prompts.values()):
-        assert not hit
+    out = w.step([(r, None, p, None) for r, p in prompts.items()], [])
+    for (draft, hit, q), p in zip(out, prompts.values()):
+        assert hit is None and q is None
         assert draft == hf_greedy(hf, p, 3)
     w.prespeculate()
     for rid, p in prompts.items():
@@ -48,7 +48,7 @@ def test_fallback_and_branches_are_greedy_continuations(tiny_target):
         assert len(st.cache) == 4 * 3
         for (k, bonus), branch in st.cache.entries.items():
             prefix = p + st.spec[:k] + [bonus]
-            assert branch == hf_greedy(hf, prefix, 3), (rid, k, bonus)
+            assert branch.tokens == hf_greedy(hf, prefix, 3), (rid, k, bonus)
             if k < 3:
                 assert bonus != st.spec[k], "the sent token is never a bonus candidate"
 
@@ -57,20 +57,20 @@ def test_hits_misses_and_rollback(tiny_target):
     hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
     w = worker(tiny_target)
     p = [5, 17, 99, 3, 250, 7]
-    (spec, _), = w.step([("a", None, p)], [])
+    (spec, _, _), = w.step([("a", None, p, None)], [])
     w.prespeculate()
     cached = w.seqs["a"].cache.entries
     (k, bonus), branch = next(iter(cached.items()))
     sampled = spec[:k] + [bonus]
-    (nxt, hit), = w.step([("a", sampled, None)], [])
-    assert hit and nxt == branch
+    (nxt, hit, _), = w.step([("a", sampled, None, None)], [])
+    assert hit and nxt == branch.tokens
     tokens = p + sampled
     # A bonus token nobody cached: the fallback drafts from the rolled-back KV.
     w.prespeculate()
     spec2 = nxt
     miss_bonus = next(t for t in range(10, 512)
                       if Outcome(0, t) not in w.seqs["a"].cache.entries and t != spec2[0])
-    (nxt2, hit2), = w.step([("a", [miss_bonus], None)], [])
+    (nxt2, hit2, _), = w.step([("a", [miss_bonus], None, None)], [])
     assert not hit2
     assert nxt2 == hf_greedy(hf, tokens + [miss_bonus], 3)
     assert w.stats.lookups == 2 and w.stats.hits == 1
@@ -78,9 +78,47 @@ def test_hits_misses_and_rollback(tiny_target):
 
 def test_force_cache_miss_and_finish(tiny_target):
     w = worker(tiny_target, force_cache_miss=True)
-    (spec, _), = w.step([("a", None, [5, 6, 7])], [])
+    (spec, _, _), = w.step([("a", None, [5, 6, 7], None)], [])
     w.prespeculate()
-    (_, hit), = w.step([("a", spec + [0], None)], [])
+    (_, hit, _), = w.step([("a", spec + [0], None, None)], [])
     assert not hit and w.stats.hits == 0 and w.stats.lookups == 1
     w.step([], ["a"])
     assert "a" not in w.seqs and w.kv.length("a") == 0
+
+
+def test_cut_head_drafts_only_kept_tokens(tiny_target):
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+    w = worker(tiny_target, draft_head_tokens=300)
+    p = [5, 17, 99, 3, 250, 7]
+    (spec, _, _), = w.step([("a", None, p, None)], [])
+    w.prespeculate()
+    drafted = set(spec)
+    for (k, bonus), branch in w.seqs["a"].cache.entries.items():
+        drafted |= set(branch.tokens) | {bonus}
+    assert max(drafted) < 300, "token ids outside the kept head were proposed"
+    # the draft's greedy choice restricted to the kept head, checked against transformers
+    with torch.no_grad():
+        ref = hf(torch.tensor([p])).logits[0, -1, :300].argmax().item()
+    assert spec[0] == ref
+
+
+def test_sampled_drafts_carry_q_and_seeds_reproduce(tiny_target):
+    from vllm_saguaro.core.sampling import SamplingSpec
+
+    def run(seed):
+        w = worker(tiny_target, saguaro_c=0.3, draft_head_tokens=400)
+        spec = tuple(SamplingSpec(temperature=0.8, top_p=0.95, seed=seed))
+        (toks, _, q), = w.step([("a", None, [5, 17, 99, 3], spec)], [])
+        w.prespeculate()
+        branches = {o: s.tokens for o, s in w.seqs["a"].cache.entries.items()}
+        return toks, q, branches, w
+
+    toks, q, branches, w = run(7)
+    assert q.shape == (3, 512) and abs(q.sum(-1) - 1).max() < 1e-5
+    assert (q[:, 400:] == 0).all(), "q is zero outside the draft head"
+    assert all(q[i, t] > 0 for i, t in enumerate(toks)), "drafted tokens have mass under q"
+    for spec in w.seqs["a"].cache.entries.values():
+        assert spec.probs.shape == (3, 400)
+    toks2, q2, branches2, _ = run(7)
+    assert toks2 == toks and (q2 == q).all() and branches2 == branches
+    assert any(run(s)[0] != toks for s in (8, 9, 10, 11)), "different seeds, same drafts"

@@ -1,8 +1,10 @@
 """In-process vLLM engines on tiny models: shared settings so each test stays seconds long."""
-import gc
 import os
 
 import pytest
+
+from vllm_saguaro.vllm_glue.offline import find_proposer as drafter_of  # noqa: F401
+from vllm_saguaro.vllm_glue.offline import shutdown as release  # noqa: F401
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -17,30 +19,6 @@ def make_llm(target, spec=None, **kw):
     from vllm import LLM
 
     return LLM(model=str(target), speculative_config=spec, **{**ENGINE_KW, **kw})
-
-
-def release(llm):
-    """Shut the engine (and its draft actor) down now, not whenever GC gets to it.
-
-    A dropped in-process LLM is collected later, possibly while the next one runs, and
-    its shutdown then tears down the new engine's process groups. Shutdown is idempotent.
-    """
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    from vllm_saguaro.vllm_glue.proposer import SaguaroProposer
-
-    drafter = drafter_of(llm)
-    if isinstance(drafter, SaguaroProposer):
-        drafter.shutdown()
-    llm.llm_engine.engine_core.shutdown()
-    cleanup_dist_env_and_memory()
-    gc.collect()
-
-
-def drafter_of(llm):
-    core = llm.llm_engine.engine_core.engine_core
-    runner = core.model_executor.driver_worker.worker.model_runner
-    return getattr(runner, "drafter", None)
 
 
 def saguaro_counters(llm) -> dict:

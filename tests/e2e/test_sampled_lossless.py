@@ -29,11 +29,12 @@ def exact(tiny_target):
     return exact_two_token_distribution(tiny_target, PROMPT)
 
 
-def sample_pairs(target, spec, n=N) -> dict:
+def sample_pairs(target, spec, n=N, temperature=1.0, top_p=1.0) -> dict:
     from vllm import SamplingParams
 
     llm = make_llm(target, spec, max_model_len=64, max_num_seqs=256, dtype="float32")
-    sp = SamplingParams(temperature=1.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    sp = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=4, ignore_eos=True,
+                        detokenize=False)
     counts: dict = {}
     for o in llm.generate([{"prompt_token_ids": PROMPT}] * n, sp, use_tqdm=False):
         t = o.outputs[0].token_ids
@@ -52,8 +53,30 @@ def test_plain_decoding_matches_exact(tiny_target, exact):
     assert_follows(sample_pairs(tiny_target, None), exact, "no speculation")
 
 
-def test_saguaro_ssd_matches_exact(tiny_target, spec_base, exact):
-    assert_follows(sample_pairs(tiny_target, spec_base), exact, "saguaro ssd")
+SETTINGS = {  # (temperature, top_p, saguaro_c, fan-out)
+    "T1-C1-uniform": (1.0, 1.0, 1.0, {"policy": "uniform", "width": 3}),
+    "T1-C0-geometric": (1.0, 1.0, 0.0, {"policy": "geometric", "budget": 8}),
+    "T1.5-topp0.9-C0.5": (1.5, 0.9, 0.5, {"policy": "uniform", "width": 2}),
+}
+
+
+@pytest.mark.parametrize("name", SETTINGS)
+def test_saguaro_ssd_matches_exact(tiny_target, spec_base, name):
+    temperature, top_p, c, fanout = SETTINGS[name]
+    exact = exact_two_token_distribution(tiny_target, PROMPT, temperature, top_p)
+    spec = dict(spec_base, saguaro_c=c, fanout=fanout)
+    counts = sample_pairs(tiny_target, spec, temperature=temperature, top_p=top_p)
+    assert_follows(counts, exact, f"saguaro ssd {name}")
+
+
+def test_broken_verification_is_caught(tiny_target, spec_base, exact, monkeypatch):
+    """Fault injection: verify with the draft's unmodified q while sampling from sigma
+    (C = 0). The same test as above must reject it."""
+    monkeypatch.setenv("SAGUARO_FAULT_INJECTION", "unmodified_q")
+    counts = sample_pairs(tiny_target, dict(spec_base, saguaro_c=0.0))
+    stat, dof, p = chi_square_pvalue(counts, exact, sum(counts.values()))
+    print(f"broken q: chi2={stat:.1f} dof={dof} p={p:.3g}")
+    assert p < ALPHA, "the losslessness test did not catch a wrong q"
 
 
 def test_builtin_draft_model_fixed_by_plugin(tiny_target, exact):

@@ -2,16 +2,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_saguaro.core.outcome import Outcome
 
 
 @dataclass
 class Speculation:
-    """K draft tokens and (when sampled) the distributions q they were drawn from."""
+    """K draft tokens and, when they were sampled, the K distributions q they came from
+    (the verifier needs that very q; None = greedy drafts, q one-hot)."""
 
     tokens: list[int]
-    hit: bool = False
+    probs: Any = None
 
 
 @dataclass
@@ -22,12 +24,12 @@ class SpeculationCache:
     and bonus token to match a cached branch exactly.
     """
 
-    entries: dict[Outcome, list[int]] = field(default_factory=dict)
+    entries: dict[Outcome, Speculation] = field(default_factory=dict)
 
-    def put(self, outcome: Outcome, tokens: list[int]) -> None:
-        self.entries[outcome] = tokens
+    def put(self, outcome: Outcome, speculation: Speculation) -> None:
+        self.entries[outcome] = speculation
 
-    def lookup(self, outcome: Outcome) -> list[int] | None:
+    def lookup(self, outcome: Outcome) -> Speculation | None:
         return self.entries.get(outcome)
 
     def __len__(self) -> int:

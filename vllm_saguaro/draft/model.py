@@ -109,7 +109,7 @@ class DraftModel:
     """Weights as plain tensors; forward() is the whole model."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device = "cpu"):
+                 device: str | torch.device = "cpu", head_tokens: int | None = None):
         path = Path(path)
         self.spec = spec = DraftSpec.from_dir(path)
         self.dtype, self.device = dtype, torch.device(device)
@@ -124,6 +124,13 @@ class DraftModel:
         self.lm_head = w.get("lm_head.weight", self.embed if spec.tie_embeddings else None)
         if self.lm_head is None:
             raise KeyError(f"draft checkpoint {path} has no lm_head and untied embeddings")
+        # The output head of a small draft costs as much as many layers (576 x 49152 is
+        # ~8 layers of SmolLM2): keeping only the most frequent tokens makes it cheap. The
+        # draft then never proposes other tokens (q = 0 there), which stays lossless.
+        self.head_ids = None
+        if head_tokens is not None and head_tokens < self.lm_head.shape[0]:
+            self.head_ids = frequent_token_ids(path, head_tokens).to(self.device)
+            self.lm_head = self.lm_head[self.head_ids].contiguous()
         self.final_norm = get("model.norm.weight")
         self.layers = []
         for i in range(spec.num_layers):
@@ -186,4 +193,23 @@ class DraftModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the head's tokens; token_ids() maps their indices to vocabulary ids."""
         return F.linear(hidden, self.lm_head).float()
+
+    def token_ids(self, head_index: torch.Tensor) -> torch.Tensor:
+        return head_index if self.head_ids is None else self.head_ids[head_index]
+
+
+FREQUENCY_FILE = "token_frequencies.json"
+
+
+def frequent_token_ids(path: Path, n: int) -> torch.Tensor:
+    """The n most frequent token ids: from the draft's token_frequencies.json (ids sorted by
+    frequency, written when the draft is trained) or else the n lowest ids, which for BPE
+    vocabularies are the earliest, most frequent merges."""
+    f = Path(path) / FREQUENCY_FILE
+    if f.is_file():
+        ids = json.loads(f.read_text())[:n]
+    else:
+        ids = list(range(n))
+    return torch.tensor(sorted(ids), dtype=torch.long)

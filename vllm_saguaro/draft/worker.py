@@ -17,14 +17,22 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_saguaro.config import SaguaroConfig
-from vllm_saguaro.core.cache import SpeculationCache
+from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.fanout import fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
+from vllm_saguaro.core.sampling import SamplingSpec, draft_distribution
 from vllm_saguaro.draft.kv import PagedKVCache
 from vllm_saguaro.draft.model import DraftModel
 
-# (request id, tokens sampled this round or None, full token list on (re)sync or None)
-Update = tuple[str, "list[int] | None", "list[int] | None"]
+# (request id, tokens sampled this round or None, full token list on (re)sync or None,
+#  the request's SamplingSpec fields on (re)sync or None)
+Update = tuple[str, "list[int] | None", "list[int] | None", "tuple | None"]
+# (draft tokens, hit flag, q [len(tokens), V] float32 numpy array or None for greedy)
+Result = tuple[list[int], "bool | None", object]
+
+# Test-only fault injection: verify with the unmodified draft q instead of the sigma the
+# draft sampled from. The losslessness tests use it to show they catch such a bug.
+FAULT_ENV = "SAGUARO_FAULT_INJECTION"
 
 # Windows longer than this (prefills, resyncs) run one sequence at a time, so that one
 # long prompt does not pad every other sequence of the batch to its length.
@@ -34,6 +42,7 @@ _BATCHED_WINDOW = 64
 @dataclass
 class SeqState:
     tokens: list[int]                       # verified tokens (prompt + output)
+    sampling: SamplingSpec = SamplingSpec()
     kv_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the pool
     spec: list[int] | None = None           # speculation sent, awaiting its outcome
     cache: SpeculationCache | None = None   # outcomes pre-speculated for that speculation
@@ -83,7 +92,8 @@ class DraftWorker:
         else:
             device = torch.device(cfg.draft_device)
         torch.manual_seed(0)
-        self.model = DraftModel(cfg.draft_model, getattr(torch, cfg.draft_dtype), device)
+        self.model = DraftModel(cfg.draft_model, getattr(torch, cfg.draft_dtype), device,
+                                head_tokens=cfg.draft_head_tokens)
         s = self.model.spec
         if s.vocab_size != target_vocab_size:
             raise ValueError(
@@ -96,6 +106,11 @@ class DraftWorker:
         f = cfg.fanout
         self.fanout = fanout_for(f.policy, self.K, budget=f.budget, width=f.width,
                                  acceptance_rate=f.acceptance_rate, miss_exponent=f.miss_exponent)
+        self.vocab_size = target_vocab_size
+        # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
+        self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
+        self.fault = os.environ.get(FAULT_ENV, "")
+        self.generator = torch.Generator().manual_seed(0)
         self.seqs: dict[str, SeqState] = {}
         self.stats = DraftStats()
 
@@ -106,7 +121,7 @@ class DraftWorker:
     def get_stats(self) -> dict:
         return self.stats.as_dict()
 
-    def step(self, updates: list[Update], finished: list[str]) -> list[tuple[list[int], bool | None]]:
+    def step(self, updates: list[Update], finished: list[str]) -> list[Result]:
         """Commit each sequence's outcome and return its next speculation.
 
         The flag says True = cache hit, False = cache miss, None = no lookup was possible
@@ -114,15 +129,15 @@ class DraftWorker:
         """
         for rid in finished:
             self.drop(rid)
-        results: list[tuple[list[int], bool | None] | None] = [None] * len(updates)
+        results: list[Result | None] = [None] * len(updates)
         misses: list[int] = []
         looked_up: set[int] = set()
-        for i, (rid, sampled, full) in enumerate(updates):
+        for i, (rid, sampled, full, sampling) in enumerate(updates):
             st = self.seqs.get(rid)
             if full is not None or st is None:
                 if full is None:
                     raise ValueError(f"sequence {rid!r} is unknown to the draft; send its tokens")
-                self._sync(rid, full)
+                self._sync(rid, full, SamplingSpec(*sampling) if sampling else SamplingSpec())
                 misses.append(i)
                 continue
             assert sampled and st.spec is not None and is_consistent(sampled, st.spec), (
@@ -139,29 +154,40 @@ class DraftWorker:
                 misses.append(i)
             else:
                 self.stats.hits += 1
-                st.spec = hit
-                results[i] = (hit, True)
+                st.spec = hit.tokens
+                results[i] = (hit.tokens, True, self._full_q(hit.probs))
         if misses:
             t0 = time.perf_counter()
             rids = [updates[i][0] for i in misses]
             for i, draft in zip(misses, self._draft_now(rids)):
-                self.seqs[updates[i][0]].spec = draft
-                results[i] = (draft, False if i in looked_up else None)
+                self.seqs[updates[i][0]].spec = draft.tokens
+                results[i] = (draft.tokens, False if i in looked_up else None,
+                              self._full_q(draft.probs))
             self.stats.fallback_s += time.perf_counter() - t0
             self.stats.fallback_rounds += 1
             self.stats.fallback_seqs += len(misses)
         return results  # type: ignore[return-value]
+
+    def _full_q(self, probs: torch.Tensor | None):
+        """q over the draft head's tokens -> over the whole vocabulary (zeros elsewhere)."""
+        if probs is None:
+            return None
+        if self.model.head_ids is None:
+            return probs.numpy()
+        full = torch.zeros(probs.shape[0], self.vocab_size, dtype=torch.float32)
+        full[:, self.model.head_ids] = probs
+        return full.numpy()
 
     def drop(self, rid: str) -> None:
         self.seqs.pop(rid, None)
         self.kv.free(rid)
 
     # ----------------------------------------------------------------- passes
-    def _sync(self, rid: str, tokens: list[int]) -> None:
+    def _sync(self, rid: str, tokens: list[int], sampling: SamplingSpec) -> None:
         """(Re)start a sequence from the target's tokens, keeping KV of the common prefix."""
         self.stats.syncs += 1
         st = self.seqs.get(rid) or SeqState(tokens=[])
-        st.tokens, st.spec, st.cache = list(tokens), None, None
+        st.tokens, st.spec, st.cache, st.sampling = list(tokens), None, None, sampling
         self.seqs[rid] = st
         self._keep_kv(rid, tokens)
 
@@ -209,25 +235,63 @@ class DraftWorker:
             self.seqs[rid].kv_tokens.extend(w)
         return hidden
 
-    def _argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.logits(hidden).argmax(dim=-1)
+    def _choose(self, rids: list[str], hidden: torch.Tensor, step: int, phase: str,
+                ) -> tuple[list[int], list[torch.Tensor | None]]:
+        """The next draft token of each row (row i belongs to sequence rids[i]).
 
-    def _draft_now(self, rids: list[str]) -> list[list[int]]:
-        """Neural fallback = ordinary SD drafting: K greedy tokens, on the critical path."""
+        Greedy requests take the argmax. Sampled ones draw from q = sigma_{F,C} of the
+        tempered, top-k/top-p-masked draft distribution, F being the fan-out at `step`
+        (the position where a rejection of this token would fork), and return q too.
+        A seeded request draws all its rows from a generator keyed by (seed, verified
+        length, phase, step), so the same request gives the same drafts run after run.
+        No two draws share a key: a draw correlated with one already verified would not
+        be distributed as q given the past, and verification would no longer be exact.
+        """
+        logits = self.model.logits(hidden)
+        choice = logits.argmax(dim=-1)
+        qs: list[torch.Tensor | None] = [None] * len(rids)
+        # One batched draw per group: unseeded requests with the same parameters share
+        # one; a seeded request gets its own keyed generator.
+        groups: dict[tuple, list[int]] = {}
+        for i, rid in enumerate(rids):
+            st = self.seqs[rid]
+            if not st.sampling.greedy:
+                key = (st.sampling, rid if st.sampling.seed is not None else None)
+                groups.setdefault(key, []).append(i)
+        for (sampling, rid), rows in groups.items():
+            idx = torch.tensor(rows)
+            fan = torch.full((len(rows),), self.fanout[step])
+            q = draft_distribution(logits[idx], sampling, fan, self.saguaro_c)
+            gen = self.generator
+            if rid is not None:
+                key = hash((sampling.seed, len(self.seqs[rid].tokens), phase, step))
+                gen = torch.Generator().manual_seed(key & 0x7FFFFFFFFFFFFFFF)
+            choice[idx] = torch.multinomial(q, 1, generator=gen)[:, 0]
+            if self.fault == "unmodified_q":
+                q = draft_distribution(logits[idx], sampling, fan, 1.0)
+            for r, row in enumerate(rows):
+                qs[row] = q[r]
+        return self.model.token_ids(choice).tolist(), qs
+
+    def _draft_now(self, rids: list[str]) -> list[Speculation]:
+        """Neural fallback = ordinary SD drafting of K tokens, on the critical path."""
         windows = []
         for rid in rids:
             st = self.seqs[rid]
             self._keep_kv(rid, st.tokens, limit=len(st.tokens) - 1)
             windows.append(st.tokens[len(st.kv_tokens):])
-        hidden = self._extend(rids, windows)
-        last = torch.stack([h[-1] for h in hidden])
-        drafts = [[int(x)] for x in self._argmax(last)]
-        for _ in range(self.K - 1):
-            hidden = self._extend(rids, [[d[-1]] for d in drafts])
-            nxt = self._argmax(torch.stack([h[-1] for h in hidden]))
-            for d, x in zip(drafts, nxt.tolist()):
-                d.append(int(x))
-        return drafts
+        hidden = [h[-1] for h in self._extend(rids, windows)]
+        tokens: list[list[int]] = [[] for _ in rids]
+        probs: list[list[torch.Tensor]] = [[] for _ in rids]
+        for step in range(self.K):
+            if step:
+                hidden = [h[-1] for h in self._extend(rids, [[t[-1]] for t in tokens])]
+            chosen, qs = self._choose(rids, torch.stack(hidden), step, "fallback")
+            for t, p, x, q in zip(tokens, probs, chosen, qs):
+                t.append(x)
+                if q is not None:
+                    p.append(q)
+        return [Speculation(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
 
     def prespeculate(self) -> None:
         """Glue, fork and tree-decode for every sequence with a speculation in flight."""
@@ -254,21 +318,22 @@ class DraftWorker:
                 f = self.fanout[j]
                 if f == 0:
                     continue
-                top = torch.topk(logits[j], min(f + 1, logits.shape[-1])).indices.tolist()
+                top = self.model.token_ids(
+                    torch.topk(logits[j], min(f + 1, logits.shape[-1])).indices).tolist()
                 if j < m:
                     top = [x for x in top if x != spec[j]]
                 branches.extend((j, x) for x in top[:f])
             roots.append(branches)
         drafted = self._tree_decode(rids, roots)
-        for rid, branches, toks in zip(rids, roots, drafted):
+        for rid, branches, specs in zip(rids, roots, drafted):
             cache = SpeculationCache()
-            for (j, x), d in zip(branches, toks):
-                cache.put(Outcome(j, x), d)
+            for (j, x), spec in zip(branches, specs):
+                cache.put(Outcome(j, x), spec)
             self.seqs[rid].cache = cache
             self.stats.branches += len(branches)
         self.stats.prespec_s += time.perf_counter() - t0
 
-    def _tree_decode(self, rids: list[str], roots: list[list[tuple[int, int]]]) -> list[list[list[int]]]:
+    def _tree_decode(self, rids: list[str], roots: list[list[tuple[int, int]]]) -> list[list[Speculation]]:
         """K decode steps over all branches of all sequences, one forward per step.
 
         Branch b of sequence n, forked at j, sees the sequence's KV up to its fork point
@@ -289,21 +354,27 @@ class DraftWorker:
         pos = seen.clone()
         ctx_mask = (torch.arange(lc)[None, None, :] < seen[:, :, None])        # [N, nb, Lc]
         eye = torch.eye(nb, dtype=torch.bool)[None].expand(n, nb, nb)
+        row_rids = [rid for rid in rids for _ in range(nb)]  # rows of the [N * nb] batch
         scratch = None
-        out = []
+        tokens: list[list[int]] = [[] for _ in row_rids]
+        probs: list[list[torch.Tensor]] = [[] for _ in row_rids]
         for step in range(self.K):
             mask = torch.cat([ctx_mask] + [eye] * (step + 1), dim=2)[:, None].to(self.device)
             hidden, new_kv = self.model.forward(cur.to(self.device), pos.to(self.device), mask,
                                                 context=ctx, scratch=scratch)
-            cur = self._argmax(hidden).cpu()
-            out.append(cur)
+            chosen, qs = self._choose(row_rids, hidden.reshape(n * nb, -1), step, "tree")
+            for t, p, x, q in zip(tokens, probs, chosen, qs):
+                t.append(x)
+                if q is not None:
+                    p.append(q)
+            cur = torch.tensor(chosen, dtype=torch.long).view(n, nb)
             pos = pos + 1
             if step + 1 < self.K:
                 scratch = new_kv if scratch is None else [
                     (torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2))
                     for (sk, sv), (k, v) in zip(scratch, new_kv)]
-        toks = torch.stack(out, dim=-1).tolist()  # [N, nb, K]
-        return [toks[i][: len(roots[i])] for i in range(n)]
+        specs = [Speculation(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        return [specs[i * nb: i * nb + len(roots[i])] for i in range(n)]
 
 
 def make_ray_worker(config: dict, target_vocab_size: int):
@@ -314,5 +385,7 @@ def make_ray_worker(config: dict, target_vocab_size: int):
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
                  configure_logging=False, ignore_reinit_error=True)
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    if os.environ.get(FAULT_ENV):
+        env[FAULT_ENV] = os.environ[FAULT_ENV]
     actor_cls = ray.remote(num_cpus=0)(DraftWorker)
     return actor_cls.options(runtime_env={"env_vars": env}).remote(config, target_vocab_size)

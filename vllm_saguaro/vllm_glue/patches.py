@@ -113,15 +113,30 @@ def patch_runner_propose() -> None:
         drafter = getattr(self, "drafter", None)
         if not isinstance(drafter, SaguaroProposer):
             return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
-        self._draft_probs = None
-        self._draft_prob_req_ids = None
         batch = self.input_batch
+        req_ids = list(batch.req_ids)
         finished = set(scheduler_output.finished_req_ids)
         finished |= set(scheduler_output.preempted_req_ids or ())
-        return drafter.propose_round(list(batch.req_ids), batch.num_tokens_no_spec,
-                                     batch.token_ids_cpu, sampled_token_ids, finished)
+        drafts, probs = drafter.propose_round(
+            req_ids, batch.num_tokens_no_spec, batch.token_ids_cpu, sampled_token_ids,
+            finished, lambda rid: sampling_spec(self.requests[rid].sampling_params))
+        # The q the draft sampled from reaches the rejection sampler (next step's _sample
+        # reads these two fields); None = greedy drafts, verified with q one-hot.
+        self._draft_probs = probs
+        self._draft_prob_req_ids = req_ids if probs is not None else None
+        return drafts
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+
+
+def sampling_spec(params):
+    """The fields of a request's SamplingParams the draft needs."""
+    from vllm_saguaro.core.sampling import SamplingSpec
+
+    if params is None:
+        return SamplingSpec()
+    return SamplingSpec(float(params.temperature), int(params.top_k or 0),
+                        float(params.top_p), params.seed)
 
 
 def patch_triton_dispatcher() -> None:

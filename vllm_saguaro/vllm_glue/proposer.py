@@ -13,6 +13,8 @@ import time
 import weakref
 from dataclasses import dataclass
 
+import torch
+
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.outcome import is_consistent
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
@@ -133,8 +135,15 @@ class SaguaroProposer:
         raise RuntimeError("vllm-saguaro's runner patch is not active: was the plugin loaded?")
 
     def propose_round(self, req_ids: list[str], num_tokens, token_ids_cpu,
-                      sampled_token_ids: list[list[int]], finished: set[str]) -> list[list[int]]:
-        """One round: send each request's outcome (or its tokens on a resync), get drafts."""
+                      sampled_token_ids: list[list[int]], finished: set[str],
+                      sampling_of) -> tuple[list[list[int]], torch.Tensor | None]:
+        """One round: send each request's outcome (or its tokens on a resync), get drafts.
+
+        Returns the drafts per row and, when any request samples, the draft distributions
+        q [rows, K, V] the verifier must use (one-hot rows for greedy requests, which the
+        rejection sampler verifies by argmax anyway). sampling_of(req_id) gives a new
+        request's SamplingSpec.
+        """
         import ray
 
         if self.actor is None:
@@ -148,9 +157,10 @@ class SaguaroProposer:
             n = int(num_tokens[row])
             m = self.mirror.get(rid)
             if m is not None and m.num_tokens + len(sampled) == n and is_consistent(sampled, m.spec):
-                updates.append((rid, list(sampled), None))
+                updates.append((rid, list(sampled), None, None))
             else:  # new, preempted-and-resumed, or out of step: the draft re-prefills
-                updates.append((rid, None, token_ids_cpu[row, :n].tolist()))
+                updates.append((rid, None, token_ids_cpu[row, :n].tolist(),
+                                tuple(sampling_of(rid))))
             rows.append((row, rid, n))
         drafts: list[list[int]] = [[] for _ in req_ids]
         t0 = time.perf_counter()
@@ -160,14 +170,25 @@ class SaguaroProposer:
         t1 = time.perf_counter()
         results = ray.get(self.actor.step.remote(updates, sorted(finished))) if (updates or finished) else []
         t2 = time.perf_counter()
-        for (row, rid, n), (tokens, _) in zip(rows, results):
+        for (row, rid, n), (tokens, _, _) in zip(rows, results):
             drafts[row] = tokens
             self.mirror[rid] = _Mirror(n, tokens)
         if self.cfg.async_ and rows:
             self.pending = self.actor.prespeculate.remote()
         if rows:
-            self.metrics.record_round([flag for _, flag in results], t1 - t0, t2 - t1)
-        return drafts
+            self.metrics.record_round([flag for _, flag, _ in results], t1 - t0, t2 - t1)
+        return drafts, self._draft_probs(len(req_ids), rows, results)
+
+    def _draft_probs(self, num_rows: int, rows, results) -> torch.Tensor | None:
+        if all(q is None for _, _, q in results):
+            return None
+        probs = torch.zeros(num_rows, self.cfg.num_speculative_tokens, self.vocab_size)
+        for (row, _, _), (tokens, _, q) in zip(rows, results):
+            if q is None:  # greedy request: q one-hot on the drafted tokens
+                probs[row, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+            else:
+                probs[row, : len(tokens)] = torch.from_numpy(q)
+        return probs
 
     def draft_stats(self) -> dict:
         """The draft worker's own counters (pre-speculation time, branches, ...)."""

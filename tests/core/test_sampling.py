@@ -1,0 +1,39 @@
+import torch
+
+from vllm_saguaro.core.sampling import (SamplingSpec, draft_distribution, saguaro_sigma,
+                                        top_k_top_p_mask)
+
+
+def test_sigma_scales_top_tokens_and_renormalises():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
+    p = logits.softmax(-1)
+    s = saguaro_sigma(p, logits, torch.tensor([1]), 0.5)  # F=1 -> top-2 scaled
+    expected = p * torch.tensor([0.5, 0.5, 1.0, 1.0])
+    torch.testing.assert_close(s, expected / expected.sum())
+    torch.testing.assert_close(saguaro_sigma(p, logits, torch.tensor([1]), 1.0), p)
+    zero = saguaro_sigma(p, logits, torch.tensor([1]), 0.0)
+    assert zero[0, :2].sum() == 0 and torch.isclose(zero.sum(), torch.tensor(1.0))
+
+
+def test_sigma_per_row_fanout_and_degenerate_rows():
+    logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, -1.0]])
+    p = logits.softmax(-1)
+    s = saguaro_sigma(p, logits, torch.tensor([0, 2]), 0.0)
+    assert s[0, 1] == 0 and s[0].sum().isclose(torch.tensor(1.0))  # only the top-1 removed
+    torch.testing.assert_close(s[1], p[1])  # all mass in the top-3: keep the unscaled row
+
+
+def test_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(top_k_top_p_mask(logits, 2, 1.0)[0, 2:]).all()
+    m = top_k_top_p_mask(logits, 0, 0.8)   # 0.5 + 0.3 reaches 0.8
+    assert torch.isfinite(m[0, :2]).all() and torch.isinf(m[0, 2:]).all()
+    m = top_k_top_p_mask(logits, 0, 0.81)
+    assert torch.isfinite(m[0, :3]).all() and torch.isinf(m[0, 3])
+
+
+def test_draft_distribution_temperature():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    q = draft_distribution(logits, SamplingSpec(temperature=2.0), torch.tensor([0]), 1.0)
+    torch.testing.assert_close(q, (logits / 2).softmax(-1))
+    assert SamplingSpec(0.0).greedy and not SamplingSpec(0.7).greedy

@@ -1,0 +1,73 @@
+"""Draft sampling: the distribution q the draft samples from, and that the verifier must use.
+
+Saguaro sampling (paper sec. 4.2) scales the probability of the draft's top tokens by
+C in [0, 1]. The cache holds exactly those tokens as bonus-token candidates, and the
+residual max(0, p - q) that the bonus token is drawn from after a rejection grows where q
+shrinks: a smaller C means more cache hits and fewer accepted tokens. Lossless only if
+the verifier gets this very q.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+GREEDY_EPS = 1e-5  # vLLM treats temperatures below this as greedy
+
+
+class SamplingSpec(NamedTuple):
+    """What the draft needs of a request's sampling parameters."""
+
+    temperature: float = 0.0
+    top_k: int = 0         # <= 0: disabled
+    top_p: float = 1.0     # 1.0: disabled
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_EPS
+
+
+def top_k_top_p_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits [R, V] to -inf outside the top-k and the top-p nucleus (as vLLM does:
+    the smallest set of the highest tokens whose probability reaches top_p)."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = logits.sort(dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        drop = before >= top_p
+        drop[..., 0] = False
+        logits = logits.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
+
+
+def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, fanout: torch.Tensor,
+                  c: float) -> torch.Tensor:
+    """sigma_{F,C}: scale the draft's top-(F+1) tokens (by logit) by C, renormalise.
+
+    F+1 because one of the top tokens is usually the one sent, which is never a bonus
+    candidate. Rows whose whole mass would vanish (C = 0 and the support inside the top
+    tokens) keep the unscaled distribution. probs, logits [R, V]; fanout [R] ints.
+    """
+    if c >= 1.0 or probs.shape[0] == 0:
+        return probs
+    width = min(int(fanout.max()) + 1, probs.shape[-1])
+    top = torch.topk(logits, width, dim=-1).indices                     # [R, W]
+    keep = torch.arange(top.shape[1])[None, :] < (fanout[:, None] + 1)  # [R, W]
+    scale = torch.ones_like(probs)
+    scale.scatter_(1, top, torch.where(keep, torch.tensor(c, dtype=probs.dtype),
+                                       torch.tensor(1.0, dtype=probs.dtype)))
+    sigma = probs * scale
+    total = sigma.sum(dim=-1, keepdim=True)
+    return torch.where(total > 0, sigma / total.clamp_min(1e-30), probs)
+
+
+def draft_distribution(logits: torch.Tensor, spec: SamplingSpec, fanout: torch.Tensor,
+                       c: float) -> torch.Tensor:
+    """q for rows of draft logits [R, V] of one request: temperature, top-k/top-p, sigma."""
+    z = logits.float() / spec.temperature
+    z = top_k_top_p_mask(z, spec.top_k, spec.top_p)
+    return saguaro_sigma(z.softmax(dim=-1), z, fanout, c)
