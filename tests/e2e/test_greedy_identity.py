@@ -117,3 +117,24 @@ def test_mixed_batch_greedy_rows_identical_and_seeds_reproduce(tiny_target, spec
         assert first[i] == second[i], f"seeded row {i} did not reproduce"
         assert len(first[i]) == 20
     assert m.lookups > 0
+
+
+def test_preemption_resyncs_and_stays_identical(tiny_target, spec_base):
+    """A KV cache too small for the batch makes vLLM preempt and recompute requests; the
+    draft must resynchronise (re-prefill) and the output must not change."""
+    from vllm import SamplingParams
+
+    prompts = make_prompts(16, 11)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    small = dict(num_gpu_blocks_override=24, block_size=32, max_model_len=256)  # 768 tokens
+    llm = make_llm(tiny_target, **small)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    preempted = sum(m.value for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
+    release(llm)
+    llm = make_llm(tiny_target, spec_base, **small)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    stats = drafter_of(llm).draft_stats()
+    release(llm)
+    assert preempted > 0, "the test setup did not cause preemption"
+    assert got == plain
+    assert stats["syncs"] > len(prompts), "preempted requests were not resynchronised"

@@ -134,3 +134,21 @@ def test_draft_cores(tiny_draft, monkeypatch):
         choose_draft_cores(_cfg(tiny_draft, [0]), {0, 1}, {0})
     with pytest.raises(ValueError, match="no CPU core is left"):
         choose_draft_cores(_cfg(tiny_draft, [0, 1]), {0, 1}, None)
+
+
+def test_draft_gpu_must_differ_from_target(tiny_draft):
+    from vllm_saguaro.vllm_glue.proposer import check_draft_gpu
+
+    cfg = SaguaroConfig.model_validate({"draft_model": str(tiny_draft), "draft_device": "cuda:1"})
+    with pytest.raises(ValueError, match="target's own device"):
+        check_draft_gpu(cfg, "cuda:1")
+    check_draft_gpu(cfg, "cuda:0")
+    check_draft_gpu(cfg, "cpu")
+
+
+def test_draft_vocabulary_must_match(tiny_draft):
+    from vllm_saguaro.vllm_glue.proposer import check_draft_checkpoint
+
+    check_draft_checkpoint(str(tiny_draft), 512)
+    with pytest.raises(ValueError, match="vocabulary of 512 tokens but the target has 49152"):
+        check_draft_checkpoint(str(tiny_draft), 49152)

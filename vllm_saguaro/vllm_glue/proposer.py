@@ -88,7 +88,12 @@ def check_draft_checkpoint(path: str, target_vocab_size: int) -> None:
 
 
 def check_draft_gpu(cfg: SaguaroConfig, target_device) -> None:
-    if cfg.draft_device != "cpu" and str(target_device) == cfg.draft_device:
+    """cuda:N counts in the target process's visible devices (CUDA_VISIBLE_DEVICES)."""
+    dev = torch.device(target_device)
+    if dev.type != "cuda":
+        return
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if cfg.draft_device == f"cuda:{index}":
         raise ValueError(
             f"draft_device {cfg.draft_device} is the target's own device; SSD needs the draft "
             "on a device of its own (another GPU)")
