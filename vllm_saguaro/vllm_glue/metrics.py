@@ -50,7 +50,7 @@ class SaguaroMetrics:
     lookups: int = 0
     hits: int = 0
     fallbacks: int = 0
-    wait_prespec_s: float = 0.0   # waiting for pre-speculation to finish (draft too slow)
+    wait_prespec_s: float = 0.0   # waiting for the pre-speculation in flight (draft too slow)
     wait_step_s: float = 0.0      # lookup + fallback drafting + communication
     _last_log: float = field(default_factory=time.monotonic)
 

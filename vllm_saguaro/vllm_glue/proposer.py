@@ -109,7 +109,7 @@ class SaguaroProposer:
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.target_device = getattr(vllm_config.device_config, "device", "cpu")
         self.actor = None
-        self.pending = None          # ObjectRef of the pre-speculation in flight
+        self.pending = None          # ObjectRef of the last pre-speculation
         self.mirror: dict[str, _Mirror] = {}
         self.metrics = SaguaroMetrics(self.cfg.log_stats_interval_s)
 
@@ -168,20 +168,22 @@ class SaguaroProposer:
                                 tuple(sampling_of(rid))))
             rows.append((row, rid, n))
         drafts: list[list[int]] = [[] for _ in req_ids]
+        if self.pending is not None:  # the last pre-speculation: surface its failure, if any
+            done, _ = ray.wait([self.pending], timeout=0)
+            if done:
+                ray.get(done[0])
+                self.pending = None
         t0 = time.perf_counter()
-        if self.pending is not None:
-            ray.get(self.pending)
-            self.pending = None
+        results, waited = ray.get(self.actor.step.remote(updates, sorted(finished))) \
+            if (updates or finished) else ([], 0.0)
         t1 = time.perf_counter()
-        results = ray.get(self.actor.step.remote(updates, sorted(finished))) if (updates or finished) else []
-        t2 = time.perf_counter()
         for (row, rid, n), (tokens, _, _) in zip(rows, results):
             drafts[row] = tokens
             self.mirror[rid] = _Mirror(n, tokens)
         if self.cfg.async_ and rows:
             self.pending = self.actor.prespeculate.remote()
         if rows:
-            self.metrics.record_round([flag for _, flag, _ in results], t1 - t0, t2 - t1)
+            self.metrics.record_round([flag for _, flag, _ in results], waited, t1 - t0 - waited)
         return drafts, self._draft_probs(len(req_ids), rows, results)
 
     def _draft_probs(self, num_rows: int, rows, results) -> torch.Tensor | None:
@@ -211,6 +213,7 @@ def _kill(actor) -> None:
     try:
         import ray
 
-        ray.kill(actor)
+        if ray.is_initialized():  # after ray.shutdown, ray.kill would start a new cluster
+            ray.kill(actor)
     except Exception:  # interpreter shutdown: Ray may already be gone
         pass

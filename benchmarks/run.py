@@ -1,0 +1,664 @@
+"""Side-by-side benchmark: target alone, vLLM's draft_model SD, the plugin's sync SD, Saguaro SSD.
+
+Usage:
+  python -m benchmarks.run --quick                 # minutes: 2 prompts/set, 32 tokens, b=1,2
+  python -m benchmarks.run --full                  # hours: all prompts, 128 tokens, b=1..16, T=0,1
+  python -m benchmarks.run --project               # GPU projection from the latest results JSON
+Options: --out DIR, --target/--draft PATH, --prompts-file F.jsonl, --systems a,b,...
+
+Why it is built this way (see benchmarks/README.md for the details):
+- Two engines cannot live in one process, so systems are *interleaved per block*: for each
+  batch size, every system starts an engine, runs all of that block's prompt groups and is
+  released, and the system order rotates from block to block, so drift hits all alike.
+- Core budget: this process pins itself to the first core (one torch thread); the target
+  alone and vLLM's SD run there, and the plugin carves the second core off for its draft
+  worker. The target alone and vLLM's SD allowed *both* cores run in a subprocess (clean
+  affinity and threads), so SSD's extra core is not a free win.
+- Decode is timed apart from prefill with vLLM's per-request timestamps (first to last
+  token), fixed output length (ignore_eos); figures are medians over requests.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from vllm_saguaro.vllm_glue.offline import find_proposer, shutdown
+
+ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+       "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
+       "RAY_DEDUP_LOGS": "0",
+       # Ray starts workers at nice 15; on a shared machine the draft worker then loses
+       # its core to any other process, so the draft's "device" runs at normal priority.
+       "RAY_worker_niceness": "0"}
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s")
+DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "branches")
+NOT_LOSSLESS = "not lossless on unpatched vllm-cpu 0.32 (plugin patch active here)"
+
+# The paper's GPU setting for --project: Llama-3.1-70B on 4xH100 (TP4) verifies at the
+# autoregressive rate 54.7 tok/s; a Llama-3.2-1B draft step on one H100 is assumed 2.5 ms.
+GPU_TARGET_TOK_S = 54.7
+GPU_DRAFT_STEP_MS = 2.5
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ----------------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class System:
+    """One decoding system: kind in {ar, vllm_sd, sync_sd, ssd}; cores = 1 or 2."""
+
+    kind: str
+    k: int = 0
+    cores: int = 1
+    budget: int = 8
+
+    @property
+    def name(self) -> str:
+        base = {"ar": "AR", "vllm_sd": "vLLM-SD", "sync_sd": "sync-SD", "ssd": "SSD"}[self.kind]
+        name = base if self.kind == "ar" else f"{base}-K{self.k}"
+        return name + ("-2c" if self.cores == 2 else "")
+
+    def spec(self, draft: str, draft_dtype: str, draft_cores: list[int] | None,
+             head_tokens: int | None = None) -> dict | None:
+        if self.kind == "ar":
+            return None
+        if self.kind == "vllm_sd":
+            return {"method": "draft_model", "model": draft, "num_speculative_tokens": self.k}
+        spec = {"method": "saguaro", "draft_model": draft, "num_speculative_tokens": self.k,
+                "draft_dtype": draft_dtype, "async": self.kind == "ssd",
+                "draft_head_tokens": head_tokens, "log_stats_interval_s": 0}
+        if draft_cores:
+            spec["draft_cpu_cores"] = draft_cores
+        if self.kind == "ssd":
+            spec["fanout"] = {"policy": "geometric", "budget": self.budget}
+        return spec
+
+
+@dataclass(frozen=True)
+class Group:
+    """Prompts of one dataset decoded at one temperature and batch size."""
+
+    dataset: str
+    temperature: float
+    batch: int
+
+
+@dataclass
+class Settings:
+    mode: str
+    max_tokens: int
+    batches: list[int]
+    temperatures: list[float]
+    ks: list[int]
+    budget: int
+    prompts_per_set: int | None
+    systems: list[str] | None = None   # names to keep (None = all)
+    draft_dtype: str = "bfloat16"
+    draft_cores: list[int] | None = None   # the plugin's draft core (the second core)
+    max_model_len: int = 2048
+    head_tokens: int | None = None   # the plugin's draft head cut (vLLM's SD keeps it whole)
+
+
+def settings_for(mode: str) -> Settings:
+    if mode == "quick":
+        return Settings("quick", 32, [1, 2], [0.0], [3], 8, 2)
+    return Settings("full", 128, [1, 2, 4, 8, 16], [0.0, 1.0], [2, 3, 4], 8, None)
+
+
+def plan_systems(s: Settings) -> list[System]:
+    systems = [System("ar"), System("ar", cores=2)]
+    for k in s.ks:
+        systems += [System("vllm_sd", k), System("vllm_sd", k, cores=2),
+                    System("sync_sd", k), System("ssd", k, budget=s.budget)]
+    if s.systems:
+        unknown = set(s.systems) - {x.name for x in systems}
+        if unknown:
+            raise SystemExit(f"unknown systems {sorted(unknown)}; with these K the systems are "
+                             f"{', '.join(x.name for x in systems)}")
+        systems = [x for x in systems if x.name in s.systems]
+    return systems
+
+
+def blocks(s: Settings, datasets: list[str]) -> list[list[Group]]:
+    """One block per batch size: the unit each system's engine runs before the next system."""
+    return [[Group(d, t, b) for t in s.temperatures for d in datasets] for b in s.batches]
+
+
+# ----------------------------------------------------------------------------- engine side
+def pin(cores: list[int]) -> None:
+    """Bind this process (and torch's threads) to `cores`, before any engine starts."""
+    import torch
+
+    os.sched_setaffinity(0, set(cores))
+    torch._C.set_num_threads(len(cores))  # vLLM's CPU worker stubs torch.set_num_threads
+
+
+def make_engine(target: str, spec: dict | None, s: Settings):
+    from vllm import LLM
+
+    return LLM(model=target, speculative_config=spec, enforce_eager=True, seed=0,
+               max_model_len=s.max_model_len, max_num_seqs=max(s.batches),
+               disable_log_stats=False)
+
+
+def snapshot(llm) -> dict:
+    """Cumulative counters: vLLM's spec-decode ones and, for the plugin, its own."""
+    snap = {name: 0.0 for name in SPEC_COUNTERS}
+    for m in llm.get_metrics():
+        if m.name in snap and hasattr(m, "value"):
+            snap[m.name] += m.value
+    d = find_proposer(llm)
+    if d is not None:
+        snap.update({f"plugin.{k}": v for k, v in d.metrics.as_dict().items() if k in PLUGIN_FIELDS})
+        snap.update({f"draft.{k}": v for k, v in d.draft_stats().items() if k in DRAFT_FIELDS})
+    return snap
+
+
+def diff(after: dict, before: dict) -> dict:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def chunks(prompts: list[str], batch: int) -> list[list[str]]:
+    """Consecutive batches of `batch` prompts; the last (or only) one wraps around."""
+    n = max(1, math.ceil(len(prompts) / batch))
+    return [[prompts[(i * batch + j) % len(prompts)] for j in range(batch)] for i in range(n)]
+
+
+def decode_times(outputs, max_tokens: int) -> tuple[list[float], float]:
+    """(per-request seconds per decoded token, the chunk's decode span in seconds)."""
+    per_tok, firsts, lasts = [], [], []
+    for o in outputs:
+        m = o.metrics
+        firsts.append(m.first_token_ts)
+        lasts.append(m.last_token_ts)
+        per_tok.append((m.last_token_ts - m.first_token_ts) / max(1, max_tokens - 1))
+    return per_tok, max(lasts) - min(firsts)
+
+
+def run_group(llm, system: System, group: Group, prompts: list[str], s: Settings) -> dict:
+    """Decode every batch of the group; return its raw measurements and counter deltas."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(temperature=group.temperature, max_tokens=s.max_tokens, ignore_eos=True)
+    before = snapshot(llm)
+    per_tok, spans, walls = [], [], []
+    for chunk in chunks(prompts, group.batch):
+        t0 = time.perf_counter()
+        outs = llm.generate(chunk, sp, use_tqdm=False)
+        walls.append(time.perf_counter() - t0)
+        assert all(len(o.outputs[0].token_ids) == s.max_tokens for o in outs)
+        tok, span = decode_times(outs, s.max_tokens)
+        per_tok += tok
+        spans.append(span)
+    deltas = diff(snapshot(llm), before)
+    return {"system": system.name, "kind": system.kind, "k": system.k, "cores": system.cores,
+            **asdict(group), "max_tokens": s.max_tokens, "n_requests": len(per_tok),
+            "n_chunks": len(spans), "per_token_s": per_tok, "spans_s": spans,
+            "wall_s": walls, "counters": deltas}
+
+
+def run_system(system: System, block: list[Group], prompts: dict[str, list[str]],
+               target: str, draft: str, s: Settings) -> list[dict]:
+    """One engine for `system`, every group of the block, then release."""
+    llm = make_engine(target, system.spec(draft, s.draft_dtype, s.draft_cores, s.head_tokens), s)
+    try:
+        from vllm import SamplingParams
+
+        first = next(iter(prompts.values()))[:1]
+        llm.generate(first, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)  # warm-up, not measured
+        records = []
+        for g in block:
+            rec = run_group(llm, system, g, prompts[g.dataset], s)
+            summarize(rec)
+            log(progress_line(rec))
+            records.append(rec)
+        return records
+    finally:
+        shutdown(llm)
+
+
+def progress_line(rec: dict) -> str:
+    line = (f"  {rec['system']:14s} {rec['dataset']:9s} T={rec['temperature']:g} "
+            f"b={rec['batch']:<2d} {_f(rec['tok_s_seq'], '7.1f')} tok/s/seq  "
+            f"{_f(rec['tok_s_total'], '7.1f')} tok/s total")
+    if rec.get("accept_len"):
+        line += f"  accept {rec['accept_len']:.2f}"
+    if rec.get("hit_rate") is not None:
+        line += f"  hit {rec['hit_rate']:.2f}"
+    return line
+
+
+# ----------------------------------------------------------------------------- subprocess
+def run_in_subprocess(system: System, block: list[Group], prompts: dict, target: str,
+                      draft: str, s: Settings, cores: list[int]) -> list[dict]:
+    """Run a system in a child process with its own affinity (`cores`) and thread count."""
+    with tempfile.TemporaryDirectory() as tmp:
+        job = Path(tmp) / "job.json"
+        result = Path(tmp) / "result.json"
+        job.write_text(json.dumps({
+            "system": asdict(system), "block": [asdict(g) for g in block], "prompts": prompts,
+            "target": target, "draft": draft, "settings": asdict(s), "cores": cores,
+            "result": str(result)}))
+        subprocess.run([sys.executable, "-m", "benchmarks.run", "--worker", str(job)],
+                       check=True, cwd=Path(__file__).resolve().parent.parent)
+        return json.loads(result.read_text())
+
+
+def worker_main(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    pin(job["cores"])
+    records = run_system(System(**job["system"]), [Group(**g) for g in job["block"]],
+                         job["prompts"], job["target"], job["draft"], Settings(**job["settings"]))
+    Path(job["result"]).write_text(json.dumps(records))
+
+
+# ----------------------------------------------------------------------------- summary
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None  # None, not NaN: strict JSON readers
+
+
+def summarize(rec: dict) -> None:
+    """Per-record figures: tok/s, TPOT, acceptance length, SSD hit/fallback rates, waits."""
+    tpot = _median(rec["per_token_s"])
+    c = rec["counters"]
+    rec["tpot_ms"] = 1000 * tpot
+    rec["tok_s_seq"] = 1 / tpot
+    decoded = rec["batch"] * (rec["max_tokens"] - 1)
+    rec["tok_s_total"] = _median([decoded / sp for sp in rec["spans_s"] if sp > 0])
+    drafts = c.get("vllm:spec_decode_num_drafts", 0)
+    rec["accept_len"] = 1 + c["vllm:spec_decode_num_accepted_tokens"] / drafts if drafts else None
+    if "plugin.rounds" in c and c["plugin.rounds"]:
+        rounds = c["plugin.rounds"]
+        rec["hit_rate"] = c["plugin.hits"] / c["plugin.lookups"] if c["plugin.lookups"] else None
+        rec["fallback_rate"] = c["plugin.fallbacks"] / c["plugin.seqs"] if c["plugin.seqs"] else None
+        rec["wait_ms_per_round"] = 1000 * (c["plugin.wait_prespec_s"] + c["plugin.wait_step_s"]) / rounds
+        rec["draft_wait_s"] = c["plugin.wait_prespec_s"] + c["plugin.wait_step_s"]
+    else:
+        rec["hit_rate"] = rec["fallback_rate"] = rec["wait_ms_per_round"] = rec["draft_wait_s"] = None
+
+
+def acceptance_rate(e: float, k: int) -> float:
+    """The i.i.d. per-token acceptance a with expected_tokens_per_round(a, K) = E (bisection)."""
+    from vllm_saguaro.core.theory import expected_tokens_per_round
+
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_tokens_per_round(mid, k) < e else (lo, mid)
+    return (lo + hi) / 2
+
+
+def plugin_latencies(rec: dict) -> dict | None:
+    """Seconds per round from a plugin run's own counters: verify V, draft-side times.
+
+    A round = target verify + the wait on the draft; rounds in the prefill step (one per
+    chunk) fall outside the decode spans, so V = span / decode rounds - wait / round.
+    """
+    c = rec["counters"]
+    rounds = c.get("plugin.rounds", 0)
+    decode_rounds = rounds - rec["n_chunks"]
+    if decode_rounds <= 0:
+        return None
+    round_s = sum(rec["spans_s"]) / decode_rounds
+    wait = (c["plugin.wait_prespec_s"] + c["plugin.wait_step_s"]) / rounds
+    fb_rounds = c.get("draft.fallback_rounds", 0)
+    return {"round_s": round_s, "verify_s": round_s - wait,
+            "draft_sync_s": c["plugin.wait_step_s"] / rounds,
+            "prespec_s": c.get("draft.prespec_s", 0.0) / rounds,
+            "fallback_s": c["draft.fallback_s"] / fb_rounds if fb_rounds else None}
+
+
+def impl_round_time(p_hit: float, t_p: float, t_b: float, batch: int) -> float:
+    """Round time (in verifies) of this implementation: the target always waits for the
+    pre-speculation in flight, and a miss then adds the fallback draft on top; Theorem 7
+    instead charges a miss only 1 + T_b (as if the pre-speculation were abandoned)."""
+    return max(1.0, t_p) + (1.0 - p_hit ** batch) * t_b
+
+
+def add_theory(records: list[dict]) -> None:
+    """Measured speedup, the theory's prediction from the run's own figures, and the limit.
+
+    speedup = t1 / TPOT, t1 = the target alone's step time (AR on one core, same group).
+    SD:  sd_speedup(E, T_draft / V) * t1 / V;  SSD: ssd_speedup(p_hit, E, E, T_p/V, T_b/V, b)
+    * t1 / V (neural fallback = the same draft, so E_hit = E_miss = E). The factor t1 / V
+    converts 'rounds per verify' into 'per 1-token step'. limit = E * t1 / V.
+    """
+    from vllm_saguaro.core.theory import sd_speedup, ssd_speedup
+
+    def key(r, **kw):
+        return (r["dataset"], r["temperature"], r["batch"], *kw.values())
+
+    ar = {key(r, cores=r["cores"]): r for r in records if r["kind"] == "ar"}
+    sync = {key(r, k=r["k"]): r for r in records if r["kind"] == "sync_sd"}
+    best2 = {}
+    for r in records:
+        if r["cores"] == 2:
+            kk = key(r)
+            best2[kk] = max(best2.get(kk, 0.0), r["tok_s_seq"])
+    for r in records:
+        base = ar.get(key(r, cores=1))
+        r["speedup"] = base["tpot_ms"] / r["tpot_ms"] if base else None
+        r["speedup_vs_best_2c"] = r["tok_s_seq"] / best2[key(r)] if best2.get(key(r)) else None
+        r["predicted"] = r["predicted_impl"] = r["limit"] = r["measured_over_limit"] = None
+        r["latencies"] = None
+        r["note"] = NOT_LOSSLESS if r["kind"] == "vllm_sd" and r["temperature"] > 0 else ""
+        e = r.get("accept_len")
+        if not e or not base:
+            continue
+        r["a_est"] = acceptance_rate(e, r["k"])
+        own = plugin_latencies(r) if r["kind"] in ("sync_sd", "ssd") else None
+        proxy = sync.get(key(r, k=r["k"])) if r["kind"] == "vllm_sd" and r["cores"] == 1 else None
+        lat = own or (plugin_latencies(proxy) if proxy else None)
+        if lat is None or lat["verify_s"] <= 0:
+            continue
+        t1, v = base["tpot_ms"] / 1000, lat["verify_s"]
+        r["latencies"] = {**lat, "t1_s": t1, "source": "own run" if own else "sync-SD run (proxy)"}
+        if r["kind"] == "ssd":
+            p = r["hit_rate"] or 0.0
+            t_b = lat["fallback_s"] if lat["fallback_s"] is not None else lat["draft_sync_s"]
+            t_p = lat["prespec_s"] / v
+            theory = ssd_speedup(p, e, e, t_p, t_b / v, r["batch"])
+            r["predicted_impl"] = e / impl_round_time(p, t_p, t_b / v, r["batch"]) * t1 / v
+        else:
+            theory = sd_speedup(e, lat["draft_sync_s"] / v)
+        r["predicted"] = theory * t1 / v
+        r["limit"] = e * t1 / v
+        r["measured_over_limit"] = r["speedup"] / r["limit"]
+
+
+def project_gpu(records: list[dict], target_tok_s: float, draft_ms: float) -> list[dict]:
+    """A PROJECTION, not a measurement: measured a and p_hit on the paper's GPU latencies.
+
+    Assumptions: verifying K+1 tokens costs one 70B step (1/target_tok_s; memory-bound at
+    these batch sizes); a draft step costs draft_ms whatever the number of branches (tree
+    decode is one batched forward per step); SD drafts K steps per round; SSD's
+    pre-speculation is a glue pass + K tree steps, hidden behind verification when < V;
+    the neural fallback costs K steps.
+    """
+    from vllm_saguaro.core.theory import expected_tokens_per_round, sd_speedup, ssd_speedup
+
+    out = []
+    v, d = 1.0 / target_tok_s, draft_ms / 1000
+    for r in records:
+        if r["kind"] not in ("sync_sd", "ssd") or not r.get("a_est"):
+            continue
+        k = r["k"]
+        e = expected_tokens_per_round(r["a_est"], k)
+        if r["kind"] == "ssd":
+            sp = ssd_speedup(r["hit_rate"] or 0.0, e, e, (k + 1) * d / v, k * d / v, r["batch"])
+        else:
+            sp = sd_speedup(e, k * d / v)
+        out.append({"dataset": r["dataset"], "temperature": r["temperature"],
+                    "batch": r["batch"], "system": r["system"], "a": r["a_est"],
+                    "hit_rate": r["hit_rate"], "projected_speedup": sp,
+                    "projected_tok_s": sp * target_tok_s})
+    return out
+
+
+# ----------------------------------------------------------------------------- output
+def _f(x, fmt=".2f") -> str:
+    return "—" if x is None else format(x, fmt)
+
+
+def markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"# Benchmark ({m['mode']}), {m['started']}", "",
+             f"target `{m['target']}`, draft `{m['draft']}`, {m['max_tokens']} output tokens "
+             f"(ignore_eos), decode only, medians over requests. Target on core "
+             f"{m['cores'][0]}; SSD/sync-SD drafts on core {m['cores'][-1]}; `-2c` = allowed "
+             f"both cores. Speedup is against AR on one core; 'vs best 2c' against the best "
+             f"system allowed both cores.", "",
+             "| dataset | T | b | system | tok/s/seq | tok/s total | TPOT ms | accept len "
+             "| hit rate | fallback rate | wait ms/round | speedup | vs best 2c | predicted "
+             "| pred (impl) | limit | meas/limit | note |",
+             "|" + "---|" * 18]
+    for r in result["records"]:
+        lines.append(
+            f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {r['system']} "
+            f"| {_f(r['tok_s_seq'], '.1f')} | {_f(r['tok_s_total'], '.1f')} "
+            f"| {_f(r['tpot_ms'], '.1f')} | {_f(r['accept_len'])} | {_f(r['hit_rate'])} "
+            f"| {_f(r['fallback_rate'])} | {_f(r['wait_ms_per_round'], '.1f')} "
+            f"| {_f(r['speedup'])} | {_f(r['speedup_vs_best_2c'])} | {_f(r['predicted'])} "
+            f"| {_f(r.get('predicted_impl'))} | {_f(r['limit'])} | {_f(r['measured_over_limit'])} | {r['note']} |")
+    lines += ["", "vLLM's built-in SD (`vLLM-SD`) at T > 0 is not lossless on unpatched "
+              "vllm-cpu 0.32 (docs/vllm-cpu-sampled-sd.md); the plugin, loaded as a vLLM "
+              "plugin in every engine process here, patches it, so those rows ran on a "
+              "fixed engine.",
+              "'predicted' = theory.py from the run's own acceptance, hit rate and latencies "
+              "(vLLM-SD borrows the sync-SD run's verify/draft times); 'pred (impl)' = the "
+              "same for SSD with this implementation's round time (it waits for the "
+              "pre-speculation in flight even on a miss); 'limit' = "
+              "E[tokens/round] x t(1-token step) / t(verify K+1). See benchmarks/README.md."]
+    if result.get("projection"):
+        p = result["projection"]
+        lines += ["", f"## GPU projection (NOT a measurement)", "",
+                  f"Measured a and hit rate fed into theory.py with the paper's GPU latencies: "
+                  f"70B target on 4xH100 at {p['target_tok_s']} tok/s per step (verify K+1 "
+                  f"assumed = one step), 1B draft step {p['draft_ms']} ms. Assumptions in "
+                  f"benchmarks/README.md.", "",
+                  "| dataset | T | b | system | a | hit rate | projected speedup | projected tok/s |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in p["rows"]:
+            lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {r['system']} "
+                         f"| {_f(r['a'])} | {_f(r['hit_rate'])} | {_f(r['projected_speedup'])} "
+                         f"| {_f(r['projected_tok_s'], '.0f')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plots(records: list[dict], out: Path) -> list[str]:
+    """speedup per dataset (smallest batch, per temperature) and throughput vs latency."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plots (pip install matplotlib)")
+        return []
+    files = []
+    datasets = sorted({r["dataset"] for r in records})
+    systems = list(dict.fromkeys(r["system"] for r in records))
+    b0 = min(r["batch"] for r in records)
+    for temp in sorted({r["temperature"] for r in records}):
+        fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(systems) * len(datasets) / 2), 4))
+        width = 0.8 / len(systems)
+        for i, name in enumerate(systems):
+            ys = [next((r["speedup"] for r in records if r["system"] == name and r["dataset"] == d
+                        and r["temperature"] == temp and r["batch"] == b0), None) or 0
+                  for d in datasets]
+            xs = [j + i * width for j in range(len(datasets))]
+            ax.bar(xs, ys, width, label=name)
+            pred = [next((r["predicted"] for r in records if r["system"] == name
+                          and r["dataset"] == d and r["temperature"] == temp
+                          and r["batch"] == b0), None) for d in datasets]
+            ax.plot([x for x, p in zip(xs, pred) if p], [p for p in pred if p], "k_", ms=12,
+                    label="predicted (theory)" if i == len(systems) - 1 else None)
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(datasets))], datasets)
+        ax.set_ylabel("decode speedup vs AR (1 core)")
+        ax.set_title(f"speedup per dataset, batch {b0}, T={temp:g}")
+        ax.legend(fontsize=7, ncol=2)
+        path = out / f"speedup_T{temp:g}.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        files.append(path.name)
+    fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4), squeeze=False)
+    for ax, d in zip(axes[0], datasets):
+        for name in systems:
+            rs = sorted((r for r in records if r["system"] == name and r["dataset"] == d
+                         and r["temperature"] == 0), key=lambda r: r["batch"])
+            if rs:
+                ax.plot([r["tpot_ms"] for r in rs], [r["tok_s_total"] for r in rs], "o-",
+                        label=name)
+                for r in rs:
+                    ax.annotate(f"b{r['batch']}", (r["tpot_ms"], r["tok_s_total"]), fontsize=6)
+        ax.set_xlabel("time per output token, ms (per sequence)")
+        ax.set_ylabel("total tok/s")
+        ax.set_title(f"{d}, T=0: throughput vs latency over batch size")
+        ax.legend(fontsize=7)
+    path = out / "throughput_vs_latency.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return files + [path.name]
+
+
+def write_results(result: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    result["plots"] = plots(result["records"], out)
+    stamp = result["meta"]["started"].replace(":", "").replace("-", "")
+    text = json.dumps(result, indent=1)
+    (out / f"{result['meta']['mode']}-{stamp}.json").write_text(text)
+    (out / "latest.json").write_text(text)
+    (out / "latest.md").write_text(markdown(result))
+    log(f"wrote {out}/latest.json, latest.md, {', '.join(result['plots'])}")
+
+
+# ----------------------------------------------------------------------------- driver
+def resolve_models(args) -> tuple[str, str]:
+    if args.target and args.draft:
+        return str(Path(args.target).resolve()), str(Path(args.draft).resolve())
+    from benchmarks.reference_pair import build_reference_pair
+
+    target, draft = build_reference_pair()
+    return str(args.target or target), str(args.draft or draft)
+
+
+def load_prompts(args, target: str, s: Settings) -> dict[str, list[str]]:
+    from benchmarks import prompts
+
+    if args.prompts_file:
+        return prompts.load_prompts_file(args.prompts_file, target, s.prompts_per_set)
+    return prompts.load_prompt_sets(target, s.prompts_per_set)
+
+
+def run_benchmark(s: Settings, target: str, draft: str, prompts: dict[str, list[str]]) -> dict:
+    """Every block, every system (rotating order), in this process tree; returns results."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("the benchmark needs 2 cores (target core + draft core)")
+    pair = cores[:2]
+    s.draft_cores = pair[1:]
+    systems = plan_systems(s)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    pin(pair[:1])  # in-process engines: the target on the first core, one thread
+    records = []
+    groups = blocks(s, list(prompts))
+    for bi, block in enumerate(groups):
+        order = systems[bi % len(systems):] + systems[: bi % len(systems)]
+        for si, system in enumerate(order):
+            log(f"block {bi + 1}/{len(groups)} (b={block[0].batch}) system {si + 1}/{len(order)}: "
+                f"{system.name}")
+            if system.cores == 2:
+                records += run_in_subprocess(system, block, prompts, target, draft, s, pair)
+            else:
+                records += run_system(system, block, prompts, target, draft, s)
+    order_key = {x.name: i for i, x in enumerate(systems)}
+    records.sort(key=lambda r: (r["dataset"], r["temperature"], r["batch"], order_key[r["system"]]))
+    add_theory(records)
+    meta = {"mode": s.mode, "started": started, "target": target, "draft": draft,
+            "cores": pair, "max_tokens": s.max_tokens, "settings": asdict(s),
+            "prompts_per_set": {k: len(v) for k, v in prompts.items()},
+            "systems": [x.name for x in systems]}
+    return {"meta": meta, "records": records}
+
+
+def add_projection(result: dict, target_tok_s: float, draft_ms: float) -> None:
+    result["projection"] = {"label": "PROJECTION from measured acceptance and hit rate; "
+                                     "not a measurement",
+                            "target_tok_s": target_tok_s, "draft_ms": draft_ms,
+                            "rows": project_gpu(result["records"], target_tok_s, draft_ms)}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n")[0])
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--quick", action="store_const", dest="mode", const="quick")
+    mode.add_argument("--full", action="store_const", dest="mode", const="full")
+    p.add_argument("--project", action="store_true",
+                   help="add a GPU projection; alone, re-analyse OUT/latest.json without running")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--target"), p.add_argument("--draft")
+    p.add_argument("--prompts-file", help="JSON lines {set, prompt, chat} instead of the PyPI sets")
+    p.add_argument("--prompts-per-set", type=int, help="override the mode's subset size")
+    p.add_argument("--max-tokens", type=int), p.add_argument("--batches")
+    p.add_argument("--ks"), p.add_argument("--temperatures")
+    p.add_argument("--systems", help="comma list of system names to keep, e.g. AR,SSD-K3")
+    p.add_argument("--budget", type=int, help="SSD geometric fan-out budget")
+    p.add_argument("--draft-dtype", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--head-tokens", type=int,
+                   help="the plugin's draft_head_tokens (vLLM's draft_model keeps the full head)")
+    p.add_argument("--gpu-target-tok-s", type=float, default=GPU_TARGET_TOK_S)
+    p.add_argument("--gpu-draft-ms", type=float, default=GPU_DRAFT_STEP_MS)
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def apply_overrides(s: Settings, args) -> Settings:
+    ints = lambda v: [int(x) for x in v.split(",")]  # noqa: E731
+    if args.prompts_per_set:
+        s.prompts_per_set = args.prompts_per_set
+    if args.max_tokens:
+        s.max_tokens = args.max_tokens
+    if args.batches:
+        s.batches = ints(args.batches)
+    if args.ks:
+        s.ks = ints(args.ks)
+    if args.temperatures:
+        s.temperatures = [float(x) for x in args.temperatures.split(",")]
+    if args.systems:
+        s.systems = args.systems.split(",")
+    if args.budget:
+        s.budget = args.budget
+    if args.draft_dtype:
+        s.draft_dtype = args.draft_dtype
+    if args.head_tokens:
+        s.head_tokens = args.head_tokens
+    if s.max_tokens < 2:
+        raise SystemExit("--max-tokens must be >= 2 (decode time is first to last token)")
+    return s
+
+
+def main(argv=None) -> dict | None:
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args.worker)
+        return None
+    out = Path(args.out)
+    if args.project and not args.mode:
+        result = json.loads((out / "latest.json").read_text())
+        add_theory(result["records"])  # re-derived from the raw timings and counters
+        add_projection(result, args.gpu_target_tok_s, args.gpu_draft_ms)
+        write_results(result, out)
+        return result
+    s = apply_overrides(settings_for(args.mode or "quick"), args)
+    target, draft = resolve_models(args)
+    prompts = load_prompts(args, target, s)
+    log(f"{s.mode}: {len(plan_systems(s))} systems, sets {', '.join(f'{k}={len(v)}' for k, v in prompts.items())}, "
+        f"batches {s.batches}, T {s.temperatures}, {s.max_tokens} tokens")
+    result = run_benchmark(s, target, draft, prompts)
+    if args.project:
+        add_projection(result, args.gpu_target_tok_s, args.gpu_draft_ms)
+    write_results(result, out)
+    return result
+
+
+if __name__ == "__main__":
+    main()

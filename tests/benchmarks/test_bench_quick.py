@@ -1,0 +1,54 @@
+"""The benchmark's quick mode end to end on tiny models: it runs and writes well-formed results.
+
+Not a speed test: tiny random models on a shared machine say nothing about speed, so only
+the shape of the JSON / markdown is checked. It runs in a subprocess because the benchmark
+pins its process to one core and starts engines, which must not leak into other tests.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+# The target alone (the speedup's base) and SSD (the plugin's counters, theory, projection):
+# the smallest set that exercises every output column within the time budget.
+SYSTEMS = "AR,SSD-K3"
+
+
+def write_prompts(path: Path) -> Path:
+    rows = [{"set": "chatty", "prompt": "w5 w9 w12 w7", "chat": True},
+            {"set": "raw", "prompt": "w1 w2 w3 w4 w5 w6", "chat": False}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_quick_mode_writes_results(tmp_path, tiny_target, tiny_draft):
+    out = tmp_path / "results"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--project",
+           "--target", str(tiny_target), "--draft", str(tiny_draft),
+           "--prompts-file", str(write_prompts(tmp_path / "p.jsonl")),
+           "--out", str(out), "--batches", "1", "--max-tokens", "8",
+           "--systems", SYSTEMS, "--draft-dtype", "float32"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    result = json.loads((out / "latest.json").read_text())
+    recs = result["records"]
+    assert {r["system"] for r in recs} == set(SYSTEMS.split(","))
+    assert {r["dataset"] for r in recs} == {"chatty", "raw"}
+    for r in recs:
+        assert r["tok_s_seq"] > 0 and r["tpot_ms"] > 0 and r["n_requests"] >= 1
+        assert r["speedup"] is not None
+        if r["kind"] != "ar":
+            assert r["accept_len"] is not None and 1.0 <= r["accept_len"] <= r["k"] + 1
+    ssd = [r for r in recs if r["kind"] == "ssd"]
+    assert all(0.0 <= r["hit_rate"] <= 1.0 and r["draft_wait_s"] >= 0 for r in ssd)
+    assert all(r["predicted"] is not None and r["limit"] is not None for r in ssd)
+    assert result["projection"]["rows"] and "not a measurement" in result["projection"]["label"]
+
+    md = (out / "latest.md").read_text()
+    table = [line for line in md.splitlines() if line.startswith("| ") and "---" not in line]
+    assert table[0].startswith("| dataset |")
+    ncols = table[0].count("|")
+    assert all(line.count("|") == ncols for line in table[1:1 + len(recs)])
+    assert "NOT a measurement" in md
