@@ -106,7 +106,10 @@ class Settings:
     budget: int
     prompts_per_set: int | None
     systems: list[str] | None = None   # names to keep (None = all)
-    draft_dtype: str = "bfloat16"
+    # float32 for both: this machine kind has AVX2 but no AVX-512, and bf16 matmuls run
+    # ~3x slower than fp32 on it (measured; see benchmarks/README.md)
+    dtype: str = "float32"
+    draft_dtype: str = "float32"
     draft_cores: list[int] | None = None   # the plugin's draft core (the second core)
     max_model_len: int = 2048
     head_tokens: int | None = None   # the plugin's draft head cut (vLLM's SD keeps it whole)
@@ -149,7 +152,7 @@ def pin(cores: list[int]) -> None:
 def make_engine(target: str, spec: dict | None, s: Settings):
     from vllm import LLM
 
-    return LLM(model=target, speculative_config=spec, enforce_eager=True, seed=0,
+    return LLM(model=target, speculative_config=spec, enforce_eager=True, seed=0, dtype=s.dtype,
                max_model_len=s.max_model_len, max_num_seqs=max(s.batches),
                disable_log_stats=False)
 
@@ -601,6 +604,7 @@ def parse_args(argv=None):
     p.add_argument("--systems", help="comma list of system names to keep, e.g. AR,SSD-K3")
     p.add_argument("--budget", type=int, help="SSD geometric fan-out budget")
     p.add_argument("--draft-dtype", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], help="the target's dtype")
     p.add_argument("--head-tokens", type=int,
                    help="the plugin's draft_head_tokens (vLLM's draft_model keeps the full head)")
     p.add_argument("--gpu-target-tok-s", type=float, default=GPU_TARGET_TOK_S)
@@ -627,6 +631,8 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.budget = args.budget
     if args.draft_dtype:
         s.draft_dtype = args.draft_dtype
+    if args.dtype:
+        s.dtype = args.dtype
     if args.head_tokens:
         s.head_tokens = args.head_tokens
     if s.max_tokens < 2:

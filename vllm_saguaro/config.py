@@ -58,7 +58,9 @@ class SaguaroConfig(BaseModel):
     draft_cpu_cores: list[int] | None = Field(
         None, description="cores the draft worker is bound to on CPU (default: the last core)"
     )
-    draft_dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    draft_dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto", description="auto = bfloat16 on a GPU, float32 on CPU (CPUs without AVX-512 "
+        "run bf16 matmuls several times slower than fp32)")
     draft_head_tokens: int | None = Field(
         None, ge=2, description="keep only the N most frequent tokens in the draft's output "
         "head (cheaper drafts; q = 0 elsewhere, still lossless); null = full vocabulary")

@@ -96,7 +96,10 @@ class DraftWorker:
         else:
             device = torch.device(cfg.draft_device)
         torch.manual_seed(0)
-        self.model = DraftModel(cfg.draft_model, getattr(torch, cfg.draft_dtype), device,
+        dtype = cfg.draft_dtype
+        if dtype == "auto":
+            dtype = "float32" if device.type == "cpu" else "bfloat16"
+        self.model = DraftModel(cfg.draft_model, getattr(torch, dtype), device,
                                 head_tokens=cfg.draft_head_tokens)
         s = self.model.spec
         if s.vocab_size != target_vocab_size:
