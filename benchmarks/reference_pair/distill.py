@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 
 def load_shards(data_dir: str) -> list[dict]:
@@ -242,7 +241,7 @@ def main() -> None:
     say(f"init heldout KL {kl0:.3f} agreement {ag0:.3f}")
     t0 = time.time()
     budget = args.minutes * 60
-    step, epoch, best = 0, 0, -1.0
+    step, epoch = 0, 0
     done = False
     while not done:
         for group in batches(train, args.tokens_per_step, args.max_prompt, rng):
