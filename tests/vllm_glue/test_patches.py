@@ -147,8 +147,8 @@ def test_draft_gpu_must_differ_from_target(tiny_draft):
 
 
 def test_draft_vocabulary_must_match(tiny_draft):
-    from vllm_saguaro.vllm_glue.proposer import check_draft_checkpoint
+    from vllm_saguaro.draft.model import check_draft_vocabulary
 
-    check_draft_checkpoint(str(tiny_draft), 512)
+    check_draft_vocabulary(str(tiny_draft), 512)
     with pytest.raises(ValueError, match="vocabulary of 512 tokens but the target has 49152"):
-        check_draft_checkpoint(str(tiny_draft), 49152)
+        check_draft_vocabulary(str(tiny_draft), 49152)

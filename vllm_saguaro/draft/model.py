@@ -67,6 +67,16 @@ class DraftSpec:
         )
 
 
+def check_draft_vocabulary(path: str | Path, target_vocab_size: int) -> DraftSpec:
+    """SSD needs the target's tokenizer: refuse a draft whose vocabulary differs."""
+    spec = DraftSpec.from_dir(path)
+    if spec.vocab_size != target_vocab_size:
+        raise ValueError(
+            f"draft_model {path} has a vocabulary of {spec.vocab_size} tokens but the target "
+            f"has {target_vocab_size}: SSD needs a draft with the target's tokenizer")
+    return spec
+
+
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -23,7 +23,7 @@ from vllm_saguaro.core.fanout import fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.sampling import SamplingSpec, draft_distribution
 from vllm_saguaro.draft.kv import PagedKVCache
-from vllm_saguaro.draft.model import DraftModel
+from vllm_saguaro.draft.model import DraftModel, check_draft_vocabulary
 
 # (request id, tokens sampled this round or None, full token list on (re)sync or None,
 #  the request's SamplingSpec fields on (re)sync or None)
@@ -96,17 +96,13 @@ class DraftWorker:
         else:
             device = torch.device(cfg.draft_device)
         torch.manual_seed(0)
+        check_draft_vocabulary(cfg.draft_model, target_vocab_size)
         dtype = cfg.draft_dtype
         if dtype == "auto":
             dtype = "float32" if device.type == "cpu" else "bfloat16"
         self.model = DraftModel(cfg.draft_model, getattr(torch, dtype), device,
                                 head_tokens=cfg.draft_head_tokens)
         s = self.model.spec
-        if s.vocab_size != target_vocab_size:
-            raise ValueError(
-                f"draft vocabulary ({s.vocab_size}) differs from the target's "
-                f"({target_vocab_size}); SSD needs a draft with the target's tokenizer"
-            )
         self.device = device
         self.kv = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.model.dtype, device)
         self.K = cfg.num_speculative_tokens

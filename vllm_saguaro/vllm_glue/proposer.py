@@ -17,6 +17,7 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.outcome import is_consistent
+from vllm_saguaro.draft.model import check_draft_vocabulary
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
 
 logger = logging.getLogger("vllm_saguaro")
@@ -76,17 +77,6 @@ def _bind_target(cores: set[int]) -> None:
         logger.info("Saguaro: target threads bound to cores %s", sorted(cores))
 
 
-def check_draft_checkpoint(path: str, target_vocab_size: int) -> None:
-    """Fail here, with a plain message, rather than inside the Ray actor."""
-    from vllm_saguaro.draft.model import DraftSpec
-
-    spec = DraftSpec.from_dir(path)
-    if spec.vocab_size != target_vocab_size:
-        raise ValueError(
-            f"draft_model {path} has a vocabulary of {spec.vocab_size} tokens but the target "
-            f"has {target_vocab_size}: SSD needs a draft with the target's tokenizer")
-
-
 def check_draft_gpu(cfg: SaguaroConfig, target_device) -> None:
     """cuda:N counts in the target process's visible devices (CUDA_VISIBLE_DEVICES)."""
     dev = torch.device(target_device)
@@ -120,7 +110,7 @@ class SaguaroProposer:
         from vllm_saguaro.draft.worker import make_ray_worker
 
         cfg = self.cfg.model_copy()
-        check_draft_checkpoint(cfg.draft_model, self.vocab_size)
+        check_draft_vocabulary(cfg.draft_model, self.vocab_size)  # here, not in the actor
         if cfg.draft_device == "cpu":
             bound = _explicit_target_cores()
             cfg.draft_cpu_cores, target = choose_draft_cores(
