@@ -72,7 +72,7 @@ class System:
         return name + ("-2c" if self.cores == 2 else "")
 
     def spec(self, draft: str, draft_dtype: str, draft_cores: list[int] | None,
-             head_tokens: int | None = None) -> dict | None:
+             head_tokens: int | None = None, saguaro_c: float = 1.0) -> dict | None:
         if self.kind == "ar":
             return None
         if self.kind == "vllm_sd":
@@ -84,6 +84,7 @@ class System:
             spec["draft_cpu_cores"] = draft_cores
         if self.kind == "ssd":
             spec["fanout"] = {"policy": "geometric", "budget": self.budget}
+            spec["saguaro_c"] = saguaro_c
         return spec
 
 
@@ -113,6 +114,7 @@ class Settings:
     draft_cores: list[int] | None = None   # the plugin's draft core (the second core)
     max_model_len: int = 2048
     head_tokens: int | None = None   # the plugin's draft head cut (vLLM's SD keeps it whole)
+    saguaro_c: float = 1.0           # C of Saguaro sampling for the SSD systems
 
 
 def settings_for(mode: str) -> Settings:
@@ -216,7 +218,8 @@ def run_group(llm, system: System, group: Group, prompts: list[str], s: Settings
 def run_system(system: System, block: list[Group], prompts: dict[str, list[str]],
                target: str, draft: str, s: Settings) -> list[dict]:
     """One engine for `system`, every group of the block, then release."""
-    llm = make_engine(target, system.spec(draft, s.draft_dtype, s.draft_cores, s.head_tokens), s)
+    llm = make_engine(target, system.spec(draft, s.draft_dtype, s.draft_cores, s.head_tokens,
+                                          s.saguaro_c), s)
     try:
         from vllm import SamplingParams
 
@@ -605,6 +608,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=int, help="SSD geometric fan-out budget")
     p.add_argument("--draft-dtype", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="the target's dtype")
+    p.add_argument("--saguaro-c", type=float, help="C of Saguaro sampling for SSD (default 1)")
     p.add_argument("--head-tokens", type=int,
                    help="the plugin's draft_head_tokens (vLLM's draft_model keeps the full head)")
     p.add_argument("--gpu-target-tok-s", type=float, default=GPU_TARGET_TOK_S)
@@ -633,6 +637,8 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.draft_dtype = args.draft_dtype
     if args.dtype:
         s.dtype = args.dtype
+    if args.saguaro_c is not None:
+        s.saguaro_c = args.saguaro_c
     if args.head_tokens:
         s.head_tokens = args.head_tokens
     if s.max_tokens < 2:
