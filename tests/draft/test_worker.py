@@ -161,3 +161,21 @@ def test_certain_miss_cuts_prespeculation_short(tiny_target):
     (after, hit, _), = step(w, [("a", nxt[:k2] + [b2], None, None)], [])
     assert hit is False, "an aborted pre-speculation is a miss, counted as one"
     assert after == hf_greedy(hf, tokens + nxt[:k2] + [b2], 3)
+
+
+def test_seeded_branch_draws_like_the_fallback(tiny_target):
+    """Hit or miss (a matter of timing), a seeded request gets the same drafts."""
+    from vllm_saguaro.core.sampling import SamplingSpec
+
+    spec = tuple(SamplingSpec(temperature=1.0, seed=3))
+    p = [5, 17, 99, 3, 250, 7]
+    w = worker(tiny_target, saguaro_c=0.5)
+    (toks, _, _), = step(w, [("a", None, p, spec)], [])
+    w.prespeculate()
+    (k, bonus), branch = next(iter(w.seqs["a"].cache.entries.items()))
+    w2 = worker(tiny_target, saguaro_c=0.5, force_cache_miss=True)
+    (toks2, _, _), = step(w2, [("a", None, p, spec)], [])
+    assert toks2 == toks
+    w2.prespeculate()
+    (fallback, hit, _), = step(w2, [("a", toks[:k] + [bonus], None, None)], [])
+    assert hit is False and fallback == branch.tokens

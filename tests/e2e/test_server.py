@@ -122,7 +122,16 @@ def test_metrics_page_has_ssd_figures(server):
 
 
 def test_server_stops_cleanly(server):
+    """Ctrl-C (SIGINT to the process group): the server exits and takes the draft worker
+    with it. vLLM's own abort-mode shutdown may log an EngineDeadError traceback (a race
+    inside vLLM); no error may come from the plugin."""
     _, proc, log = server
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=60) is not None
-    assert "Traceback" not in log.read_text()
+    text = log.read_text()
+    assert "vllm_saguaro" not in "".join(
+        line for line in text.splitlines(keepends=True) if "File " in line or "Error" in line)
+    time.sleep(2)
+    alive = subprocess.run(["pgrep", "-f", "ray::DraftWorker", "-s", str(proc.pid)],
+                           capture_output=True, text=True).stdout.split()
+    assert not alive, f"draft worker processes left behind: {alive}"

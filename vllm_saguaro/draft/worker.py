@@ -266,38 +266,42 @@ class DraftWorker:
             self.seqs[rid].kv_tokens.extend(w)
         return hidden
 
-    def _choose(self, rids: list[str], hidden: torch.Tensor, step: int, phase: str,
-                ) -> tuple[list[int], list[torch.Tensor | None]]:
+    def _choose(self, rids: list[str], hidden: torch.Tensor, step: int,
+                origins: list[tuple[int, int]]) -> tuple[list[int], list[torch.Tensor | None]]:
         """The next draft token of each row (row i belongs to sequence rids[i]).
 
         Greedy requests take the argmax. Sampled ones draw from q = sigma_{F,C} of the
         tempered, top-k/top-p-masked draft distribution, F being the fan-out at `step`
         (the position where a rejection of this token would fork), and return q too.
-        A seeded request draws all its rows from a generator keyed by (seed, verified
-        length, phase, step), so the same request gives the same drafts run after run.
-        No two draws share a key: a draw correlated with one already verified would not
-        be distributed as q given the past, and verification would no longer be exact.
+
+        A seeded request draws each row from a generator keyed by (seed, origin, step),
+        origin = (verified length, last verified token) the speculation starts from. A
+        cached branch and the fallback for the same outcome thus draw alike, so a seeded
+        request's output does not depend on whether the cache hit (which depends on
+        timing). A speculation that gets verified is the only draw with its key, so it is
+        distributed as q given everything verified before it.
         """
         logits = self.model.logits(hidden)
         choice = logits.argmax(dim=-1)
         qs: list[torch.Tensor | None] = [None] * len(rids)
         # One batched draw per group: unseeded requests with the same parameters share
-        # one; a seeded request gets its own keyed generator.
+        # one; a seeded request's rows draw one by one from keyed generators.
         groups: dict[tuple, list[int]] = {}
         for i, rid in enumerate(rids):
             st = self.seqs[rid]
             if not st.sampling.greedy:
-                key = (st.sampling, rid if st.sampling.seed is not None else None)
-                groups.setdefault(key, []).append(i)
-        for (sampling, rid), rows in groups.items():
+                groups.setdefault((st.sampling, st.sampling.seed is not None), []).append(i)
+        for (sampling, seeded), rows in groups.items():
             idx = torch.tensor(rows)
             fan = torch.full((len(rows),), self.fanout[step])
             q = draft_distribution(logits[idx], sampling, fan, self.saguaro_c)
-            gen = self.generator
-            if rid is not None:
-                key = hash((sampling.seed, len(self.seqs[rid].tokens), phase, step))
-                gen = torch.Generator().manual_seed(key & 0x7FFFFFFFFFFFFFFF)
-            choice[idx] = torch.multinomial(q, 1, generator=gen)[:, 0]
+            if seeded:
+                for r, row in enumerate(rows):
+                    key = hash((sampling.seed, *origins[row], step)) & 0x7FFFFFFFFFFFFFFF
+                    gen = torch.Generator().manual_seed(key)
+                    choice[row] = torch.multinomial(q[r], 1, generator=gen)[0]
+            else:
+                choice[idx] = torch.multinomial(q, 1, generator=self.generator)[:, 0]
             if self.fault == "unmodified_q":
                 q = draft_distribution(logits[idx], sampling, fan, 1.0)
             for r, row in enumerate(rows):
@@ -314,10 +318,11 @@ class DraftWorker:
         hidden = [h[-1] for h in self._extend(rids, windows)]
         tokens: list[list[int]] = [[] for _ in rids]
         probs: list[list[torch.Tensor]] = [[] for _ in rids]
+        origins = [(len(self.seqs[r].tokens), self.seqs[r].tokens[-1]) for r in rids]
         for step in range(self.K):
             if step:
                 hidden = [h[-1] for h in self._extend(rids, [[t[-1]] for t in tokens])]
-            chosen, qs = self._choose(rids, torch.stack(hidden), step, "fallback")
+            chosen, qs = self._choose(rids, torch.stack(hidden), step, origins)
             for t, p, x, q in zip(tokens, probs, chosen, qs):
                 t.append(x)
                 if q is not None:
@@ -390,10 +395,12 @@ class DraftWorker:
         lc = ctx[0][0].shape[2]
         cur = torch.zeros(n, nb, dtype=torch.long)
         seen = torch.zeros(n, nb, dtype=torch.long)   # context tokens visible to the branch
+        origins = [(0, 0)] * (n * nb)  # per row: the verified (length, last token) if hit
         for i, (rid, branches) in enumerate(zip(rids, roots)):
             base = len(self.seqs[rid].tokens)
             for b, (j, x) in enumerate(branches):
                 cur[i, b], seen[i, b] = x, base + j
+                origins[i * nb + b] = (base + j + 1, x)
         pos = seen.clone()
         ctx_mask = (torch.arange(lc)[None, None, :] < seen[:, :, None])        # [N, nb, Lc]
         eye = torch.eye(nb, dtype=torch.bool)[None].expand(n, nb, nb)
@@ -407,7 +414,7 @@ class DraftWorker:
             mask = torch.cat([ctx_mask] + [eye] * (step + 1), dim=2)[:, None].to(self.device)
             hidden, new_kv = self.model.forward(cur.to(self.device), pos.to(self.device), mask,
                                                 context=ctx, scratch=scratch)
-            chosen, qs = self._choose(row_rids, hidden.reshape(n * nb, -1), step, "tree")
+            chosen, qs = self._choose(row_rids, hidden.reshape(n * nb, -1), step, origins)
             for t, p, x, q in zip(tokens, probs, chosen, qs):
                 t.append(x)
                 if q is not None:

@@ -184,7 +184,7 @@ class SaguaroProposer:
             if q is None:  # greedy request: q one-hot on the drafted tokens
                 probs[row, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
             else:
-                probs[row, : len(tokens)] = torch.from_numpy(q)
+                probs[row, : len(tokens)].numpy()[...] = q  # Ray's arrays are read-only
         return probs
 
     def draft_stats(self) -> dict:
