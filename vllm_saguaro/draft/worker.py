@@ -67,6 +67,24 @@ class DraftStats:
         return dict(self.__dict__)
 
 
+class _Draws:
+    """Each row's draft tokens and, for sampled rows, the q of each, grown step by step."""
+
+    def __init__(self, rows: int):
+        self.tokens: list[list[int]] = [[] for _ in range(rows)]
+        self.probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+
+    def add(self, chosen: list[int], qs: list[torch.Tensor | None]) -> None:
+        for t, p, x, q in zip(self.tokens, self.probs, chosen, qs):
+            t.append(x)
+            if q is not None:
+                p.append(q)
+
+    def speculations(self) -> list[Speculation]:
+        return [Speculation(t, torch.stack(p) if p else None)
+                for t, p in zip(self.tokens, self.probs)]
+
+
 def _lcp(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     i = 0
@@ -316,18 +334,13 @@ class DraftWorker:
             self._keep_kv(rid, st.tokens, limit=len(st.tokens) - 1)
             windows.append(st.tokens[len(st.kv_tokens):])
         hidden = [h[-1] for h in self._extend(rids, windows)]
-        tokens: list[list[int]] = [[] for _ in rids]
-        probs: list[list[torch.Tensor]] = [[] for _ in rids]
+        draws = _Draws(len(rids))
         origins = [(len(self.seqs[r].tokens), self.seqs[r].tokens[-1]) for r in rids]
         for step in range(self.K):
             if step:
-                hidden = [h[-1] for h in self._extend(rids, [[t[-1]] for t in tokens])]
-            chosen, qs = self._choose(rids, torch.stack(hidden), step, origins)
-            for t, p, x, q in zip(tokens, probs, chosen, qs):
-                t.append(x)
-                if q is not None:
-                    p.append(q)
-        return [Speculation(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+                hidden = [h[-1] for h in self._extend(rids, [[t[-1]] for t in draws.tokens])]
+            draws.add(*self._choose(rids, torch.stack(hidden), step, origins))
+        return draws.speculations()
 
     def prespeculate(self) -> None:
         """Glue, fork and tree-decode for every sequence with a speculation in flight."""
@@ -406,8 +419,7 @@ class DraftWorker:
         eye = torch.eye(nb, dtype=torch.bool)[None].expand(n, nb, nb)
         row_rids = [rid for rid in rids for _ in range(nb)]  # rows of the [N * nb] batch
         scratch = None
-        tokens: list[list[int]] = [[] for _ in row_rids]
-        probs: list[list[torch.Tensor]] = [[] for _ in row_rids]
+        draws = _Draws(len(row_rids))
         for step in range(self.K):
             if self._abort.is_set():
                 return None
@@ -415,17 +427,14 @@ class DraftWorker:
             hidden, new_kv = self.model.forward(cur.to(self.device), pos.to(self.device), mask,
                                                 context=ctx, scratch=scratch)
             chosen, qs = self._choose(row_rids, hidden.reshape(n * nb, -1), step, origins)
-            for t, p, x, q in zip(tokens, probs, chosen, qs):
-                t.append(x)
-                if q is not None:
-                    p.append(q)
+            draws.add(chosen, qs)
             cur = torch.tensor(chosen, dtype=torch.long).view(n, nb)
             pos = pos + 1
             if step + 1 < self.K:
                 scratch = new_kv if scratch is None else [
                     (torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2))
                     for (sk, sv), (k, v) in zip(scratch, new_kv)]
-        specs = [Speculation(t, torch.stack(p) if p else None) for t, p in zip(tokens, probs)]
+        specs = draws.speculations()
         return [specs[i * nb: i * nb + len(roots[i])] for i in range(n)]
 
 
