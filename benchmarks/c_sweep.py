@@ -4,7 +4,8 @@
 
 SSD at temperature 1, batch 1, one benchmarks/run.py quick run per C (results under
 benchmarks/results/c_sweep/), then one table: like the paper's figure 5, a smaller C
-should raise the cache hit rate and lower the acceptance length.
+should raise the cache hit rate and lower the acceptance length. A last run drafts argmax
+tokens verified with a one-hot q: the acceptance before the real q was passed.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("-k", type=int, default=3)
     ap.add_argument("--budget", type=int, default=4)
+    ap.add_argument("--no-baseline", action="store_true", help="skip the one-hot q run")
     args = ap.parse_args(argv)
 
     import os
@@ -30,23 +32,28 @@ def main(argv=None) -> None:
     from benchmarks.run import main as run_benchmark
 
     cores = os.sched_getaffinity(0)
+    runs = [(f"{float(c):g}", ["--saguaro-c", c]) for c in args.cs.split(",")]
+    if not args.no_baseline:  # "before": argmax drafts verified with a one-hot q
+        runs.append(("one-hot q", ["--draft-sampling", "greedy"]))
     rows = []
-    for c in [float(x) for x in args.cs.split(",")]:
+    for label, extra in runs:
         os.sched_setaffinity(0, cores)  # each run pins the process to its target core
-        out = OUT / f"C{c:g}"
+        out = OUT / ("C" + label if extra[0] == "--saguaro-c" else "one_hot_q")
         result = run_benchmark([
             "--quick", "--systems", f"SSD-K{args.k}", "--batches", "1", "--temperatures", "1",
-            "--ks", str(args.k), "--budget", str(args.budget), "--head-tokens", "8192",
-            "--saguaro-c", str(c), "--max-tokens", str(args.max_tokens),
+            "--ks", str(args.k), "--budget", str(args.budget), *extra,
+            "--max-tokens", str(args.max_tokens),
             "--prompts-per-set", str(args.prompts), "--out", str(out)])
         for r in result["records"]:
-            rows.append((c, r["dataset"], r["hit_rate"], r["accept_len"], r["tok_s_seq"]))
+            rows.append((label, r["dataset"], r["hit_rate"], r["accept_len"], r["tok_s_seq"]))
     lines = ["| C | dataset | hit rate | acceptance length | decode tok/s |", "|---|---|---|---|---|"]
-    lines += [f"| {c:g} | {d} | {h:.3f} | {a:.2f} | {t:.1f} |" for c, d, h, a, t in rows]
+    lines += [f"| {c} | {d} | {h:.3f} | {a:.2f} | {t:.1f} |" for c, d, h, a, t in rows]
     table = "\n".join(lines)
     (OUT / "c_sweep.md").write_text(
         f"SSD K={args.k}, geometric budget {args.budget}, T=1, batch 1, "
-        f"{args.prompts} prompts per set, {args.max_tokens} tokens\n\n{table}\n")
+        f"{args.prompts} prompts per set, {args.max_tokens} tokens. 'one-hot q': the draft "
+        "drafts argmax tokens and the verifier gets a one-hot q (vLLM's way for custom "
+        f"proposers), the before of passing the real q.\n\n{table}\n")
     (OUT / "c_sweep.json").write_text(json.dumps(rows))
     print(table)
 

@@ -71,20 +71,20 @@ class System:
         name = base if self.kind == "ar" else f"{base}-K{self.k}"
         return name + ("-2c" if self.cores == 2 else "")
 
-    def spec(self, draft: str, draft_dtype: str, draft_cores: list[int] | None,
-             head_tokens: int | None = None, saguaro_c: float = 1.0) -> dict | None:
+    def spec(self, draft: str, s: "Settings") -> dict | None:
         if self.kind == "ar":
             return None
         if self.kind == "vllm_sd":
             return {"method": "draft_model", "model": draft, "num_speculative_tokens": self.k}
         spec = {"method": "saguaro", "draft_model": draft, "num_speculative_tokens": self.k,
-                "draft_dtype": draft_dtype, "async": self.kind == "ssd",
-                "draft_head_tokens": head_tokens, "log_stats_interval_s": 0}
-        if draft_cores:
-            spec["draft_cpu_cores"] = draft_cores
+                "draft_dtype": s.draft_dtype, "async": self.kind == "ssd",
+                "draft_head_tokens": s.head_tokens, "draft_sampling": s.draft_sampling,
+                "log_stats_interval_s": 0}
+        if s.draft_cores:
+            spec["draft_cpu_cores"] = s.draft_cores
         if self.kind == "ssd":
             spec["fanout"] = {"policy": "geometric", "budget": self.budget}
-            spec["saguaro_c"] = saguaro_c
+            spec["saguaro_c"] = s.saguaro_c
         return spec
 
 
@@ -115,6 +115,7 @@ class Settings:
     max_model_len: int = 2048
     head_tokens: int | None = None   # the plugin's draft head cut (vLLM's SD keeps it whole)
     saguaro_c: float = 1.0           # C of Saguaro sampling for the SSD systems
+    draft_sampling: str = "saguaro"  # the plugin's draft_sampling ("greedy": one-hot q)
 
 
 def settings_for(mode: str) -> Settings:
@@ -218,8 +219,7 @@ def run_group(llm, system: System, group: Group, prompts: list[str], s: Settings
 def run_system(system: System, block: list[Group], prompts: dict[str, list[str]],
                target: str, draft: str, s: Settings) -> list[dict]:
     """One engine for `system`, every group of the block, then release."""
-    llm = make_engine(target, system.spec(draft, s.draft_dtype, s.draft_cores, s.head_tokens,
-                                          s.saguaro_c), s)
+    llm = make_engine(target, system.spec(draft, s), s)
     try:
         from vllm import SamplingParams
 
@@ -610,7 +610,10 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="the target's dtype")
     p.add_argument("--saguaro-c", type=float, help="C of Saguaro sampling for SSD (default 1)")
     p.add_argument("--head-tokens", type=int,
-                   help="the plugin's draft_head_tokens (vLLM's draft_model keeps the full head)")
+                   help="the plugin's draft_head_tokens, 0 = full head (default: the reference "
+                   "draft's trained head; vLLM's draft_model keeps the full head)")
+    p.add_argument("--draft-sampling", choices=["saguaro", "greedy"],
+                   help="the plugin's draft_sampling: greedy = argmax drafts verified with a one-hot q")
     p.add_argument("--gpu-target-tok-s", type=float, default=GPU_TARGET_TOK_S)
     p.add_argument("--gpu-draft-ms", type=float, default=GPU_DRAFT_STEP_MS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -639,8 +642,10 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.dtype = args.dtype
     if args.saguaro_c is not None:
         s.saguaro_c = args.saguaro_c
-    if args.head_tokens:
-        s.head_tokens = args.head_tokens
+    if args.head_tokens is not None:
+        s.head_tokens = args.head_tokens or None
+    if args.draft_sampling:
+        s.draft_sampling = args.draft_sampling
     if s.max_tokens < 2:
         raise SystemExit("--max-tokens must be >= 2 (decode time is first to last token)")
     return s
@@ -662,6 +667,10 @@ def main(argv=None) -> dict | None:
         return result
     s = apply_overrides(settings_for(args.mode or "quick"), args)
     target, draft = resolve_models(args)
+    if args.head_tokens is None and not args.draft:  # the reference draft's trained head
+        from benchmarks.reference_pair import HEAD_TOKENS
+
+        s.head_tokens = HEAD_TOKENS
     prompts = load_prompts(args, target, s)
     log(f"{s.mode}: {len(plan_systems(s))} systems, sets {', '.join(f'{k}={len(v)}' for k, v in prompts.items())}, "
         f"batches {s.batches}, T {s.temperatures}, {s.max_tokens} tokens")

@@ -39,6 +39,9 @@ class FanoutConfig(BaseModel):
     miss_exponent: float = Field(
         1.0, gt=0.0, description="r in the power-law miss model P(miss | F) = F^-r"
     )
+    fit_acceptance: bool = Field(
+        True, description="geometric: refit a_p from the verified outcomes as decoding goes "
+        "(acceptance_rate is then the prior)")
 
 
 class SaguaroConfig(BaseModel):
@@ -51,6 +54,10 @@ class SaguaroConfig(BaseModel):
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="K, draft tokens per round")
     fanout: FanoutConfig = Field(default_factory=FanoutConfig)
     saguaro_c: float = Field(1.0, ge=0.0, le=1.0, description="C in sigma_{F,C}; 1 = plain draft")
+    draft_sampling: Literal["saguaro", "greedy"] = Field(
+        "saguaro", description="saguaro: sampled requests draft from sigma_{F,C} and are "
+        "verified with that q; greedy: every request drafts argmax tokens, verified with a "
+        "one-hot q (vLLM's way for custom proposers; lossless, lower acceptance at T > 0)")
     fallback: Literal["neural"] = Field(
         "neural", description="backup speculator on a cache miss ('fast'/'auto' later)"
     )

@@ -52,3 +52,12 @@ def test_missing_draft(tmp_path):
         load_config({"method": "saguaro", "draft_model": str(tmp_path / "nope")})
     with pytest.raises(SaguaroConfigError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize("name", ["saguaro.yaml", "cpu-reference.yaml"])
+def test_shipped_configs_validate(draft, name):
+    from pathlib import Path
+
+    data = yaml.safe_load((Path(__file__).resolve().parents[2] / "configs" / name).read_text())
+    assert is_saguaro_spec(data)
+    load_config(dict(data, draft_model=str(draft)))  # every other key as shipped

@@ -1,6 +1,6 @@
 import pytest
 
-from vllm_saguaro.core.fanout import fanout_for, geometric_fanout, uniform_fanout
+from vllm_saguaro.core.fanout import AcceptanceFit, fanout_for, geometric_fanout, uniform_fanout
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.theory import (expected_tokens_per_round, fallback_crossover, sd_speedup,
                                       ssd_speedup)
@@ -61,3 +61,30 @@ def test_fallback_crossover():
     b = fallback_crossover(0.8, 3.0, 2.5, 1.2, 0.5, 0.5, 0.01)
     assert b is not None and b > 1
     assert fallback_crossover(0.8, 3.0, 3.0, 1.0, 0.5, 0.0, 0.5) is None
+
+
+def test_acceptance_fit_recovers_a_p_from_truncated_rounds():
+    """Rounds drawn from the paper's model (accept each of K drafts with a_p until the first
+    rejection) must give back a_p, though drafts after a rejection are never seen."""
+    import random
+
+    rng = random.Random(0)
+    for a_p in (0.2, 0.5, 0.8):
+        fit = AcceptanceFit(prior=0.6, decay=1.0)
+        for _ in range(4000):
+            k = 0
+            while k < 4 and rng.random() < a_p:
+                k += 1
+            fit.observe(k, 4)
+        assert abs(fit.rate - a_p) < 0.02, (a_p, fit.rate)
+
+
+def test_acceptance_fit_starts_at_the_prior_and_forgets():
+    fit = AcceptanceFit(prior=0.6, prior_weight=1.0, decay=0.9)
+    assert fit.rate == pytest.approx(0.6)
+    for _ in range(200):
+        fit.observe(4, 4)          # everything accepted ...
+    assert fit.rate > 0.95
+    for _ in range(200):
+        fit.observe(0, 4)          # ... then nothing: the old rounds fade
+    assert fit.rate < 0.1

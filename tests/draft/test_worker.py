@@ -24,7 +24,8 @@ def step(w, updates, finished):
 
 def worker(path, **kw):
     cfg = dict(draft_model=str(path), num_speculative_tokens=3, draft_dtype="float32",
-               fanout={"policy": "uniform", "width": 3}, **kw)
+               fanout={"policy": "uniform", "width": 3})
+    cfg.update(kw)
     return DraftWorker(SaguaroConfig.model_validate(cfg).to_json_dict(), 512, bind=False)
 
 
@@ -179,3 +180,24 @@ def test_seeded_branch_draws_like_the_fallback(tiny_target):
     w2.prespeculate()
     (fallback, hit, _), = step(w2, [("a", toks[:k] + [bonus], None, None)], [])
     assert hit is False and fallback == branch.tokens
+
+
+def test_geometric_fanout_follows_the_fitted_acceptance(tiny_target):
+    """Rounds that accept every draft shift the geometric budget to the full-acceptance
+    outcome; with fit_acceptance off the prior's allocation stays."""
+    def run(fit: bool):
+        w = worker(tiny_target, fanout={"policy": "geometric", "budget": 8, "acceptance_rate": 0.3,
+                                        "fit_acceptance": fit})
+        start = list(w.fanout)
+        (spec, _, _), = step(w, [("a", None, [5, 17, 99, 3, 250, 7], None)], [])
+        for _ in range(12):
+            w.prespeculate()
+            bonus = next(t for t in range(10, 512) if t not in spec)
+            (spec, _, _), = step(w, [("a", spec + [bonus], None, None)], [])  # all K accepted
+        return start, w.fanout, w.stats.acceptance_rate
+
+    start, fitted, rate = run(True)
+    assert sum(fitted) == 8 and rate > 0.6
+    assert fitted[-1] > start[-1] and fitted[0] < start[0], (start, fitted)
+    start, kept, _ = run(False)
+    assert kept == start

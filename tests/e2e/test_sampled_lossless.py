@@ -29,10 +29,24 @@ def exact(tiny_target):
     return exact_two_token_distribution(tiny_target, PROMPT)
 
 
-def sample_pairs(target, spec, n=N, temperature=1.0, top_p=1.0) -> dict:
+def sample_pairs(target, spec, n=N, temperature=1.0, top_p=1.0, q_rounds=None) -> dict:
+    """Counts of the first two sampled tokens; q_rounds (a list) gets, per round, whether
+    the plugin handed draft distributions q to the verifier."""
     from vllm import SamplingParams
 
+    from vllm_saguaro.vllm_glue.offline import find_proposer
+
     llm = make_llm(target, spec, max_model_len=64, max_num_seqs=256, dtype="float32")
+    if q_rounds is not None:
+        proposer = find_proposer(llm)
+        draft_probs = proposer._draft_probs
+
+        def spy(num_rows, rows, results):
+            probs = draft_probs(num_rows, rows, results)
+            if rows:
+                q_rounds.append(probs is not None)
+            return probs
+        proposer._draft_probs = spy
     sp = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=4, ignore_eos=True,
                         detokenize=False)
     counts: dict = {}
@@ -53,20 +67,26 @@ def test_plain_decoding_matches_exact(tiny_target, exact):
     assert_follows(sample_pairs(tiny_target, None), exact, "no speculation")
 
 
-SETTINGS = {  # (temperature, top_p, saguaro_c, fan-out)
-    "T1-C1-uniform": (1.0, 1.0, 1.0, {"policy": "uniform", "width": 3}),
-    "T1-C0-geometric": (1.0, 1.0, 0.0, {"policy": "geometric", "budget": 8}),
-    "T1.5-topp0.9-C0.5": (1.5, 0.9, 0.5, {"policy": "uniform", "width": 2}),
+SETTINGS = {  # (temperature, top_p, spec overrides)
+    "T1-C1-uniform": (1.0, 1.0, {"saguaro_c": 1.0, "fanout": {"policy": "uniform", "width": 3}}),
+    "T1-C0-geometric": (1.0, 1.0, {"saguaro_c": 0.0, "fanout": {"policy": "geometric", "budget": 8}}),
+    "T1.5-topp0.9-C0.5": (1.5, 0.9, {"saguaro_c": 0.5, "fanout": {"policy": "uniform", "width": 2}}),
+    # argmax drafts verified with a one-hot q (no q reaches the sampler)
+    "T1-greedy-draft": (1.0, 1.0, {"draft_sampling": "greedy"}),
 }
 
 
 @pytest.mark.parametrize("name", SETTINGS)
 def test_saguaro_ssd_matches_exact(tiny_target, spec_base, name):
-    temperature, top_p, c, fanout = SETTINGS[name]
+    temperature, top_p, overrides = SETTINGS[name]
     exact = exact_two_token_distribution(tiny_target, PROMPT, temperature, top_p)
-    spec = dict(spec_base, saguaro_c=c, fanout=fanout)
-    counts = sample_pairs(tiny_target, spec, temperature=temperature, top_p=top_p)
+    q_rounds: list[bool] = []
+    counts = sample_pairs(tiny_target, dict(spec_base, **overrides), temperature=temperature,
+                          top_p=top_p, q_rounds=q_rounds)
     assert_follows(counts, exact, f"saguaro ssd {name}")
+    greedy_drafts = overrides.get("draft_sampling") == "greedy"
+    assert q_rounds and all(q_rounds) != greedy_drafts and any(q_rounds) != greedy_drafts, \
+        "q must reach the verifier in every round, except with greedy drafts (one-hot: never)"
 
 
 def test_broken_verification_is_caught(tiny_target, spec_base, exact, monkeypatch):

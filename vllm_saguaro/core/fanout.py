@@ -29,6 +29,32 @@ def geometric_fanout(k_max: int, budget: int, acceptance_rate: float, miss_expon
     return _round_to_budget(weights, budget)
 
 
+class AcceptanceFit:
+    """Online estimate of a_p, the per-token acceptance rate the geometric fan-out needs.
+
+    Under the paper's model each draft token is accepted with probability a_p until the
+    first rejection, so a round with k of n drafts accepted shows k acceptances and, if
+    k < n, one rejection: the estimate is accepted / (accepted + rejected). The prior is
+    worth prior_weight tokens, so the first rounds stay sane; decay < 1 forgets old rounds,
+    so the fan-out follows a change of prompt mix.
+    """
+
+    def __init__(self, prior: float, prior_weight: float = 16.0, decay: float = 0.99):
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.accepted = 0.0
+        self.rejected = 0.0
+
+    def observe(self, accepted: int, drafted: int) -> None:
+        self.accepted = self.accepted * self.decay + accepted
+        self.rejected = self.rejected * self.decay + (1.0 if accepted < drafted else 0.0)
+
+    @property
+    def rate(self) -> float:
+        w = self.prior_weight
+        a = (self.accepted + self.prior * w) / (self.accepted + self.rejected + w)
+        return min(max(a, 0.01), 0.99)
+
+
 def uniform_fanout(k_max: int, width: int) -> list[int]:
     """The reference engine's default: the same number of candidates at every k."""
     return [width] * (k_max + 1)

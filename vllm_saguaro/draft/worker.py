@@ -19,7 +19,7 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
-from vllm_saguaro.core.fanout import fanout_for
+from vllm_saguaro.core.fanout import AcceptanceFit, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.sampling import SamplingSpec, draft_distribution
 from vllm_saguaro.draft.kv import PagedKVCache
@@ -62,6 +62,7 @@ class DraftStats:
     fallback_s: float = 0.0       # time spent drafting on the critical path
     aborted: int = 0              # pre-speculations cut short by a certain miss
     lock_wait_s: float = 0.0      # time step() waited for the pre-speculation in flight
+    acceptance_rate: float = 0.0  # the fitted a_p the geometric fan-out now uses
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -124,9 +125,8 @@ class DraftWorker:
         self.device = device
         self.kv = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.model.dtype, device)
         self.K = cfg.num_speculative_tokens
-        f = cfg.fanout
-        self.fanout = fanout_for(f.policy, self.K, budget=f.budget, width=f.width,
-                                 acceptance_rate=f.acceptance_rate, miss_exponent=f.miss_exponent)
+        self.acceptance = AcceptanceFit(cfg.fanout.acceptance_rate)
+        self.fanout = self._fanout()
         self.vocab_size = target_vocab_size
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
         self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
@@ -139,6 +139,12 @@ class DraftWorker:
         # pre-speculation short when its result cannot be used.
         self._lock = threading.Lock()
         self._abort = threading.Event()
+
+    def _fanout(self) -> list[int]:
+        f = self.cfg.fanout
+        a_p = self.acceptance.rate if f.fit_acceptance else f.acceptance_rate
+        return fanout_for(f.policy, self.K, budget=f.budget, width=f.width,
+                          acceptance_rate=a_p, miss_exponent=f.miss_exponent)
 
     # ----------------------------------------------------------------- protocol
     def ping(self) -> int:
@@ -190,6 +196,7 @@ class DraftWorker:
             assert sampled and st.spec is not None and is_consistent(sampled, st.spec), (
                 f"outcome {sampled} of {rid!r} does not extend speculation {st.spec}")
             st.tokens.extend(sampled)
+            self.acceptance.observe(len(sampled) - 1, len(st.spec))
             cache, st.cache, st.spec, st.roots = st.cache, None, None, None
             if not self.cfg.async_:
                 misses.append(i)
@@ -205,6 +212,9 @@ class DraftWorker:
                 self.stats.hits += 1
                 st.spec = hit.tokens
                 results[i] = (hit.tokens, True, self._full_q(hit.probs))
+        if self.cfg.fanout.fit_acceptance and self.cfg.fanout.policy == "geometric":
+            self.fanout = self._fanout()
+            self.stats.acceptance_rate = self.acceptance.rate
         if misses:
             t0 = time.perf_counter()
             rids = [updates[i][0] for i in misses]

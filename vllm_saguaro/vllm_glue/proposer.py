@@ -17,6 +17,7 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.outcome import is_consistent
+from vllm_saguaro.core.sampling import SamplingSpec
 from vllm_saguaro.draft.model import check_draft_vocabulary
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
 
@@ -154,8 +155,8 @@ class SaguaroProposer:
             if m is not None and m.num_tokens + len(sampled) == n and is_consistent(sampled, m.spec):
                 updates.append((rid, list(sampled), None, None))
             else:  # new, preempted-and-resumed, or out of step: the draft re-prefills
-                updates.append((rid, None, token_ids_cpu[row, :n].tolist(),
-                                tuple(sampling_of(rid))))
+                spec = sampling_of(rid) if self.cfg.draft_sampling == "saguaro" else SamplingSpec()
+                updates.append((rid, None, token_ids_cpu[row, :n].tolist(), tuple(spec)))
             rows.append((row, rid, n))
         drafts: list[list[int]] = [[] for _ in req_ids]
         if self.pending is not None:  # the last pre-speculation: surface its failure, if any
