@@ -23,7 +23,6 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("-k", type=int, default=3, help="draft tokens per round")
     ap.add_argument("--budget", type=int, default=4, help="geometric fan-out budget")
-    ap.add_argument("--head-tokens", type=int, default=8192, help="draft output head size")
     args = ap.parse_args(argv)
 
     from benchmarks.run import main as run_benchmark
@@ -31,7 +30,7 @@ def main(argv=None) -> None:
     k = args.k
     run_benchmark(["--quick", "--systems", f"AR,sync-SD-K{k},SSD-K{k}", "--batches", "1",
                    "--ks", str(k), "--budget", str(args.budget),
-                   "--head-tokens", str(args.head_tokens), "--max-tokens", str(args.max_tokens),
+                   "--max-tokens", str(args.max_tokens),
                    "--prompts-per-set", str(args.prompts), "--out", str(OUT)])
     print((OUT / "latest.md").read_text())
 

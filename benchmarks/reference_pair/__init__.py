@@ -4,6 +4,10 @@
 HF LlamaForCausalLM checkpoints, offline; see README.md in this folder.
 """
 
+# The committed draft was distilled for a cut output head (the most frequent tokens, in
+# token_frequencies.json): run it with draft_head_tokens = HEAD_TOKENS.
+HEAD_TOKENS = 16384
+
 
 def build_reference_pair(cache_dir=None):
     """Lazy wrapper (keeps `python -m benchmarks.reference_pair.build` free of runpy warnings)."""
@@ -12,4 +16,4 @@ def build_reference_pair(cache_dir=None):
     return _build(cache_dir)
 
 
-__all__ = ["build_reference_pair"]
+__all__ = ["HEAD_TOKENS", "build_reference_pair"]

