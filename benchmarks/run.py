@@ -42,7 +42,7 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s")
-DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "branches")
+DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "fast_seqs", "branches")
 NOT_LOSSLESS = "not lossless on unpatched vllm-cpu 0.32 (plugin patch active here)"
 
 # The paper's GPU setting for --project: Llama-3.1-70B on 4xH100 (TP4) verifies at the
@@ -293,8 +293,10 @@ def summarize(rec: dict) -> None:
         rec["fallback_rate"] = c["plugin.fallbacks"] / c["plugin.seqs"] if c["plugin.seqs"] else None
         rec["wait_ms_per_round"] = 1000 * (c["plugin.wait_prespec_s"] + c["plugin.wait_step_s"]) / rounds
         rec["draft_wait_s"] = c["plugin.wait_prespec_s"] + c["plugin.wait_step_s"]
+        # misses drafted by the fast backup (prompt lookup) rather than the draft model
+        rec["fast_rate"] = c.get("draft.fast_seqs", 0) / c["plugin.seqs"] if c["plugin.seqs"] else None
     else:
-        rec["hit_rate"] = rec["fallback_rate"] = rec["wait_ms_per_round"] = rec["draft_wait_s"] = None
+        rec["hit_rate"] = rec["fallback_rate"] = rec["wait_ms_per_round"] = rec["draft_wait_s"] = rec["fast_rate"] = None
 
 
 def acceptance_rate(e: float, k: int) -> float:
@@ -362,6 +364,9 @@ def add_theory(records: list[dict]) -> None:
         r["predicted"] = r["predicted_impl"] = r["limit"] = r["measured_over_limit"] = None
         r["latencies"] = None
         r["note"] = NOT_LOSSLESS if r["kind"] == "vllm_sd" and r["temperature"] > 0 else ""
+        if r.get("fast_rate"):
+            r["note"] = (f"{r['fast_rate']:.0%} of rounds drafted by prompt lookup; the "
+                         "prediction assumes the neural backup")
         e = r.get("accept_len")
         if not e or not base:
             continue

@@ -58,9 +58,9 @@ class SaguaroConfig(BaseModel):
         "saguaro", description="saguaro: sampled requests draft from sigma_{F,C} and are "
         "verified with that q; greedy: every request drafts argmax tokens, verified with a "
         "one-hot q (vLLM's way for custom proposers; lossless, lower acceptance at T > 0)")
-    fallback: Literal["neural"] = Field(
-        "neural", description="backup speculator on a cache miss ('fast'/'auto' later)"
-    )
+    fallback: Literal["neural", "fast", "auto"] = Field(
+        "auto", description="backup speculator on a cache miss: neural (the draft, as in SD), "
+        "fast (prompt lookup, nearly free), auto (per step, whichever gives more tokens/s)")
     draft_device: str = Field("cpu", description="'cpu' or 'cuda:N' (a GPU vLLM does not use)")
     draft_cpu_cores: list[int] | None = Field(
         None, description="cores the draft worker is bound to on CPU (default: the last core)"

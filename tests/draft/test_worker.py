@@ -24,7 +24,7 @@ def step(w, updates, finished):
 
 def worker(path, **kw):
     cfg = dict(draft_model=str(path), num_speculative_tokens=3, draft_dtype="float32",
-               fanout={"policy": "uniform", "width": 3})
+               fanout={"policy": "uniform", "width": 3}, fallback="neural")
     cfg.update(kw)
     return DraftWorker(SaguaroConfig.model_validate(cfg).to_json_dict(), 512, bind=False)
 
@@ -201,3 +201,23 @@ def test_geometric_fanout_follows_the_fitted_acceptance(tiny_target):
     assert fitted[-1] > start[-1] and fitted[0] < start[0], (start, fitted)
     start, kept, _ = run(False)
     assert kept == start
+
+
+def test_fast_backup_drafts_by_prompt_lookup_and_the_next_round_goes_on(tiny_target):
+    from vllm_saguaro.core.fallback import ngram_draft
+
+    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+    w = worker(tiny_target, fallback="fast")
+    p = [5, 17, 99, 3, 250, 7, 17, 99]
+    (spec, _, _), = step(w, [("a", None, p, None)], [])   # a new sequence: neural
+    assert spec == hf_greedy(hf, p, 3)
+    w.prespeculate()
+    bonus = next(t for t in range(10, 512)
+                 if Outcome(0, t) not in w.seqs["a"].cache.entries and t != spec[0])
+    (nxt, hit, q), = step(w, [("a", [bonus], None, None)], [])  # a miss
+    assert hit is False and q is None and w.stats.fast_seqs == 1
+    assert nxt == ngram_draft(p + [bonus], 3), (w.seqs["a"].tokens, bonus)
+    w.prespeculate()  # glue over the lookup draft; then a cached branch serves again
+    (k, b), branch = next(iter(w.seqs["a"].cache.entries.items()))
+    (nxt2, hit2, _), = step(w, [("a", nxt[:k] + [b], None, None)], [])
+    assert hit2 and nxt2 == branch.tokens == hf_greedy(hf, p + [bonus] + nxt[:k] + [b], 3)

@@ -38,4 +38,4 @@ def saguaro_counters(llm) -> dict:
 def spec_base(tiny_draft):
     return {"method": "saguaro", "draft_model": str(tiny_draft), "num_speculative_tokens": 3,
             "draft_dtype": "float32", "fanout": {"policy": "uniform", "width": 3},
-            "log_stats_interval_s": 0}
+            "fallback": "neural", "log_stats_interval_s": 0}

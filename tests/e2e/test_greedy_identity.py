@@ -50,7 +50,8 @@ def run_all(llm, stop_params):
     return out
 
 
-@pytest.mark.parametrize("variant", ["ssd", "forced_miss", "sync_sd", "geometric"])
+@pytest.mark.parametrize("variant", ["ssd", "forced_miss", "sync_sd", "geometric", "fast_fallback",
+                                     "auto_fallback"])
 def test_greedy_identical(tiny_target, spec_base, reference, variant):
     ref, stop_params = reference
     spec = dict(spec_base)
@@ -58,6 +59,8 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant):
         spec["force_cache_miss"] = True
     elif variant == "sync_sd":
         spec["async"] = False
+    elif variant.endswith("_fallback"):  # every miss a fallback: prompt lookup (or the choice)
+        spec.update(force_cache_miss=True, fallback=variant.split("_")[0])
     elif variant == "geometric":
         spec.update(num_speculative_tokens=4,
                     fanout={"policy": "geometric", "budget": 7, "acceptance_rate": 0.5})
@@ -66,6 +69,7 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant):
     got = run_all(llm, stop_params)
     after = saguaro_counters(llm)
     m = drafter_of(llm).metrics
+    fast_seqs = drafter_of(llm).draft_stats()["fast_seqs"]
     release(llm)
     for key in ref:
         assert got[key] == ref[key], f"{variant}: output differs for case {key}"
@@ -77,7 +81,11 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant):
         assert lookups == 0
     else:
         assert lookups > 50
-    if variant == "forced_miss":
+    if variant == "fast_fallback":
+        assert fast_seqs > 0, "the fast backup never drafted"
+    elif variant != "auto_fallback":
+        assert fast_seqs == 0, "the fast backup drafted though fallback is neural"
+    if variant in ("forced_miss", "fast_fallback", "auto_fallback"):
         assert hits == 0
     elif variant in ("ssd", "geometric"):
         assert 0 < hits < lookups, "a perturbed draft should both hit and miss"

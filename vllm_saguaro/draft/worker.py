@@ -19,9 +19,11 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
+from vllm_saguaro.core.fallback import RunningMean, ngram_draft, use_neural_fallback
 from vllm_saguaro.core.fanout import AcceptanceFit, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.sampling import SamplingSpec, draft_distribution
+from vllm_saguaro.core.theory import expected_tokens_per_round
 from vllm_saguaro.draft.kv import PagedKVCache
 from vllm_saguaro.draft.model import DraftModel, check_draft_vocabulary
 
@@ -48,6 +50,7 @@ class SeqState:
     spec: list[int] | None = None           # speculation sent, awaiting its outcome
     cache: SpeculationCache | None = None   # outcomes pre-speculated for that speculation
     roots: frozenset | None = None          # the outcomes being pre-speculated (after fork)
+    fast: bool = False                      # spec came from the fast backup (prompt lookup)
 
 
 @dataclass
@@ -56,6 +59,7 @@ class DraftStats:
     hits: int = 0
     fallback_rounds: int = 0      # rounds in which the neural fallback drafted
     fallback_seqs: int = 0        # sequences drafted by the fallback (misses + syncs)
+    fast_seqs: int = 0            # misses drafted by the fast backup instead
     syncs: int = 0                # new or resynchronised sequences
     branches: int = 0             # branches pre-speculated
     prespec_s: float = 0.0        # time spent pre-speculating (hidden behind verification)
@@ -127,6 +131,14 @@ class DraftWorker:
         self.K = cfg.num_speculative_tokens
         self.acceptance = AcceptanceFit(cfg.fanout.acceptance_rate)
         self.fanout = self._fanout()
+        # What the batch-size-aware fallback weighs: tokens per round after each backup,
+        # the round time (target verification) and the neural backup's time.
+        self.tokens_neural = RunningMean(
+            expected_tokens_per_round(cfg.fanout.acceptance_rate, self.K))
+        self.tokens_fast = RunningMean(1.0)  # pessimistic until measured
+        self.t_round = RunningMean(0.0, weight=1e-6)
+        self.t_neural = RunningMean(0.0, weight=1e-6)
+        self._last_return: float | None = None
         self.vocab_size = target_vocab_size
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
         self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
@@ -164,12 +176,16 @@ class DraftWorker:
         of after the tree decode.
         """
         t0 = time.perf_counter()
+        if self._last_return is not None and t0 - self._last_return < 5.0:  # not idle
+            self.t_round.add(t0 - self._last_return)
         if self._lock.locked() and any(self._certain_miss(u) for u in updates):
             self._abort.set()
         with self._lock:
             wait = time.perf_counter() - t0
             self.stats.lock_wait_s += wait
-            return self._step(updates, finished), wait
+            results = self._step(updates, finished)
+        self._last_return = time.perf_counter()
+        return results, wait
 
     def _certain_miss(self, update: Update) -> bool:
         rid, sampled, full, _ = update
@@ -196,7 +212,12 @@ class DraftWorker:
             assert sampled and st.spec is not None and is_consistent(sampled, st.spec), (
                 f"outcome {sampled} of {rid!r} does not extend speculation {st.spec}")
             st.tokens.extend(sampled)
-            self.acceptance.observe(len(sampled) - 1, len(st.spec))
+            if st.fast:
+                self.tokens_fast.add(len(sampled))
+            else:
+                self.tokens_neural.add(len(sampled))
+                self.acceptance.observe(len(sampled) - 1, len(st.spec))
+            st.fast = False
             cache, st.cache, st.spec, st.roots = st.cache, None, None, None
             if not self.cfg.async_:
                 misses.append(i)
@@ -215,6 +236,13 @@ class DraftWorker:
         if self.cfg.fanout.fit_acceptance and self.cfg.fanout.policy == "geometric":
             self.fanout = self._fanout()
             self.stats.acceptance_rate = self.acceptance.rate
+        fast = self._fast_backup_rows(updates, misses, looked_up)
+        for i in fast:  # deterministic drafts: verified with a one-hot q (None)
+            st = self.seqs[updates[i][0]]
+            st.spec, st.fast = ngram_draft(st.tokens, self.K), True
+            results[i] = (st.spec, False, None)
+        self.stats.fast_seqs += len(fast)
+        misses = [i for i in misses if i not in fast]
         if misses:
             t0 = time.perf_counter()
             rids = [updates[i][0] for i in misses]
@@ -222,10 +250,33 @@ class DraftWorker:
                 self.seqs[updates[i][0]].spec = draft.tokens
                 results[i] = (draft.tokens, False if i in looked_up else None,
                               self._full_q(draft.probs))
-            self.stats.fallback_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.t_neural.add(dt)
+            self.stats.fallback_s += dt
             self.stats.fallback_rounds += 1
             self.stats.fallback_seqs += len(misses)
         return results  # type: ignore[return-value]
+
+    def _fast_backup_rows(self, updates: list[Update], misses: list[int],
+                          looked_up: set[int]) -> set[int]:
+        """The misses the fast backup drafts (config `fallback`; 'auto' weighs the two).
+
+        New and resynced sequences and seeded sampled requests always get the neural
+        backup: the first need their prefill anyway, and a seeded request reproduces only
+        if its drafts do not depend on whether the cache hit.
+        """
+        if self.cfg.fallback == "neural" or not misses:
+            return set()
+        eligible = {i for i in misses if i in looked_up and (
+            self.seqs[updates[i][0]].sampling.greedy or self.seqs[updates[i][0]].sampling.seed is None)}
+        if self.cfg.fallback == "fast":
+            return eligible
+        if len(eligible) < len(misses):  # the step waits for the neural backup anyway
+            return set()
+        neural = use_neural_fallback(len(misses), len(updates), self.tokens_neural.value,
+                                     self.tokens_fast.value, self.t_round.value,
+                                     self.t_neural.value)
+        return set() if neural else eligible
 
     def _full_q(self, probs: torch.Tensor | None):
         """q over the draft head's tokens -> over the whole vocabulary (zeros elsewhere)."""
@@ -247,6 +298,7 @@ class DraftWorker:
         self.stats.syncs += 1
         st = self.seqs.get(rid) or SeqState(tokens=[])
         st.tokens, st.spec, st.cache, st.sampling = list(tokens), None, None, sampling
+        st.fast = False
         self.seqs[rid] = st
         self._keep_kv(rid, tokens)
 
