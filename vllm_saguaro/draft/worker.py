@@ -251,7 +251,8 @@ class DraftWorker:
                 results[i] = (draft.tokens, False if i in looked_up else None,
                               self._full_q(draft.probs))
             dt = time.perf_counter() - t0
-            self.t_neural.add(dt)
+            if all(i in looked_up for i in misses):  # a prefill would inflate the backup's time
+                self.t_neural.add(dt)
             self.stats.fallback_s += dt
             self.stats.fallback_rounds += 1
             self.stats.fallback_seqs += len(misses)
