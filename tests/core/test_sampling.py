@@ -37,3 +37,5 @@ def test_draft_distribution_temperature():
     q = draft_distribution(logits, SamplingSpec(temperature=2.0), torch.tensor([0]), 1.0)
     torch.testing.assert_close(q, (logits / 2).softmax(-1))
     assert SamplingSpec(0.0).greedy and not SamplingSpec(0.7).greedy
+    assert SamplingSpec(0.7, seed=3).seeded
+    assert not SamplingSpec(0.7).seeded and not SamplingSpec(0.0, seed=3).seeded

@@ -27,6 +27,11 @@ class SamplingSpec(NamedTuple):
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
 
+    @property
+    def seeded(self) -> bool:
+        """A sampled request with its own seed: its draws must not depend on timing."""
+        return not self.greedy and self.seed is not None
+
 
 def top_k_top_p_mask(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Mask logits [R, V] to -inf outside the top-k and the top-p nucleus (as vLLM does:

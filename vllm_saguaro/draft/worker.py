@@ -268,8 +268,8 @@ class DraftWorker:
         """
         if self.cfg.fallback == "neural" or not misses:
             return set()
-        eligible = {i for i in misses if i in looked_up and (
-            self.seqs[updates[i][0]].sampling.greedy or self.seqs[updates[i][0]].sampling.seed is None)}
+        eligible = {i for i in misses
+                    if i in looked_up and not self.seqs[updates[i][0]].sampling.seeded}
         if self.cfg.fallback == "fast":
             return eligible
         if len(eligible) < len(misses):  # the step waits for the neural backup anyway
@@ -371,7 +371,7 @@ class DraftWorker:
         for i, rid in enumerate(rids):
             st = self.seqs[rid]
             if not st.sampling.greedy:
-                groups.setdefault((st.sampling, st.sampling.seed is not None), []).append(i)
+                groups.setdefault((st.sampling, st.sampling.seeded), []).append(i)
         for (sampling, seeded), rows in groups.items():
             idx = torch.tensor(rows)
             fan = torch.full((len(rows),), self.fanout[step])
