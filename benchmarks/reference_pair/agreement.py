@@ -72,20 +72,19 @@ def greedy_continuations(model, prompts: list[list[int]], n: int, eos: int, batc
 
 @torch.no_grad()
 def agreement(target, draft, ids: list[int], cont: list[int], head_ids: torch.Tensor | None = None
-              ) -> tuple[int, int]:
-    """(matches, positions) over the continuation, teacher-forced; with head_ids the draft
-    predicts only among those tokens, as the plugin runs it with draft_head_tokens."""
+              ) -> tuple[int, int, int]:
+    """(matches, matches with the full head, positions) over the continuation,
+    teacher-forced; with head_ids the draft predicts only among those tokens, as the
+    plugin runs it with draft_head_tokens (one forward of each model serves both)."""
     if not cont:
-        return 0, 0
+        return 0, 0, 0
     x = torch.tensor([ids + cont[:-1]])
     sl = slice(len(ids) - 1, x.shape[1])
     at = target(x).logits[0, sl].argmax(-1)
-    if head_ids is None:
-        ad = draft(x).logits[0, sl].argmax(-1)
-    else:
-        h = draft.model(x).last_hidden_state[0, sl]
-        ad = head_ids[(h @ draft.model.embed_tokens.weight[head_ids].t()).argmax(-1)]
-    return int((at == ad).sum()), int(at.numel())
+    h = draft.model(x).last_hidden_state[0, sl]
+    full = draft.lm_head(h).argmax(-1)
+    cut = full if head_ids is None else head_ids[(h @ draft.lm_head.weight[head_ids].t()).argmax(-1)]
+    return int((at == cut).sum()), int((at == full).sum()), int(at.numel())
 
 
 def _median_ms(step, reps: int = 15) -> float:
@@ -175,10 +174,8 @@ def main() -> None:
             print(f"{name}: target continuations in {time.time() - t0:.0f}s", flush=True)
         m = m_full = n = 0
         for ids, cont in zip(plist, conts[key]):
-            a, b = agreement(target, draft, ids, cont, head_ids)
-            m += a; n += b
-            if head_ids is not None:
-                m_full += agreement(target, draft, ids, cont)[0]
+            a, a_full, b = agreement(target, draft, ids, cont, head_ids)
+            m += a; m_full += a_full; n += b
         results[name] = {"agreement": m / max(n, 1), "positions": n, "prompts": len(plist),
                          "head_tokens": args.head_tokens or None}
         print(f"{name}: greedy agreement {m / max(n, 1):.3f} (head {args.head_tokens or 'full'}) "
