@@ -649,6 +649,10 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.saguaro_c = args.saguaro_c
     if args.head_tokens is not None:
         s.head_tokens = args.head_tokens or None
+    elif not args.draft:  # the reference draft runs with the head it was trained for
+        from benchmarks.reference_pair import HEAD_TOKENS
+
+        s.head_tokens = HEAD_TOKENS
     if args.draft_sampling:
         s.draft_sampling = args.draft_sampling
     if s.max_tokens < 2:
@@ -672,10 +676,6 @@ def main(argv=None) -> dict | None:
         return result
     s = apply_overrides(settings_for(args.mode or "quick"), args)
     target, draft = resolve_models(args)
-    if args.head_tokens is None and not args.draft:  # the reference draft's trained head
-        from benchmarks.reference_pair import HEAD_TOKENS
-
-        s.head_tokens = HEAD_TOKENS
     prompts = load_prompts(args, target, s)
     log(f"{s.mode}: {len(plan_systems(s))} systems, sets {', '.join(f'{k}={len(v)}' for k, v in prompts.items())}, "
         f"batches {s.batches}, T {s.temperatures}, {s.max_tokens} tokens")
