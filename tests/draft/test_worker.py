@@ -1,4 +1,5 @@
 """The draft worker against transformers: forward, fallback drafts and tree-decoded branches."""
+import pytest
 import torch
 from transformers import LlamaForCausalLM
 
@@ -6,6 +7,12 @@ from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.outcome import Outcome
 from vllm_saguaro.draft.model import DraftModel
 from vllm_saguaro.draft.worker import DraftWorker
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_target):
+    """The transformers reference every test compares with, loaded once."""
+    return LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
 
 
 def hf_greedy(model, tokens, n):
@@ -29,8 +36,7 @@ def worker(path, **kw):
     return DraftWorker(SaguaroConfig.model_validate(cfg).to_json_dict(), 512, bind=False)
 
 
-def test_forward_matches_transformers(tiny_target):
-    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+def test_forward_matches_transformers(tiny_target, hf):
     ours = DraftModel(tiny_target, torch.float32)
     ids = torch.tensor([[5, 17, 99, 3, 250, 7]])
     pos = torch.arange(6)[None]
@@ -41,8 +47,7 @@ def test_forward_matches_transformers(tiny_target):
     torch.testing.assert_close(ours.logits(hidden), ref, atol=2e-4, rtol=2e-4)
 
 
-def test_fallback_and_branches_are_greedy_continuations(tiny_target):
-    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+def test_fallback_and_branches_are_greedy_continuations(tiny_target, hf):
     w = worker(tiny_target)
     prompts = {"a": [5, 17, 99, 3, 250, 7], "b": [9, 8, 7, 300, 301, 302, 303, 11, 12]}
     out = step(w, [(r, None, p, None) for r, p in prompts.items()], [])
@@ -60,8 +65,7 @@ def test_fallback_and_branches_are_greedy_continuations(tiny_target):
                 assert bonus != st.spec[k], "the sent token is never a bonus candidate"
 
 
-def test_hits_misses_and_rollback(tiny_target):
-    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+def test_hits_misses_and_rollback(tiny_target, hf):
     w = worker(tiny_target)
     p = [5, 17, 99, 3, 250, 7]
     (spec, _, _), = step(w, [("a", None, p, None)], [])
@@ -93,8 +97,7 @@ def test_force_cache_miss_and_finish(tiny_target):
     assert "a" not in w.seqs and w.kv.length("a") == 0
 
 
-def test_cut_head_drafts_only_kept_tokens(tiny_target):
-    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+def test_cut_head_drafts_only_kept_tokens(tiny_target, hf):
     w = worker(tiny_target, draft_head_tokens=300)
     p = [5, 17, 99, 3, 250, 7]
     (spec, _, _), = step(w, [("a", None, p, None)], [])
@@ -131,8 +134,7 @@ def test_sampled_drafts_carry_q_and_seeds_reproduce(tiny_target):
     assert any(run(s)[0] != toks for s in (8, 9, 10, 11)), "different seeds, same drafts"
 
 
-def test_certain_miss_cuts_prespeculation_short(tiny_target):
-    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
+def test_certain_miss_cuts_prespeculation_short(tiny_target, hf):
     w = worker(tiny_target)
     p = [5, 17, 99, 3, 250, 7]
     (spec, _, _), = step(w, [("a", None, p, None)], [])
@@ -203,10 +205,9 @@ def test_geometric_fanout_follows_the_fitted_acceptance(tiny_target):
     assert kept == start
 
 
-def test_fast_backup_drafts_by_prompt_lookup_and_the_next_round_goes_on(tiny_target):
+def test_fast_backup_drafts_by_prompt_lookup_and_the_next_round_goes_on(tiny_target, hf):
     from vllm_saguaro.core.fallback import ngram_draft
 
-    hf = LlamaForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32)
     w = worker(tiny_target, fallback="fast")
     p = [5, 17, 99, 3, 250, 7, 17, 99]
     (spec, _, _), = step(w, [("a", None, p, None)], [])   # a new sequence: neural
