@@ -1,11 +1,14 @@
 """Saguaro sampling's trade-off on the reference pair: hit rate and acceptance against C.
 
     python -m benchmarks.c_sweep [--cs 1,0.5,0.25,0.1,0] [--prompts 2] [--max-tokens 64]
+                                 [--fallback neural]
 
 SSD at temperature 1, batch 1, one benchmarks/run.py quick run per C (results under
 benchmarks/results/c_sweep/), then one table: like the paper's figure 5, a smaller C
 should raise the cache hit rate and lower the acceptance length. A last run drafts argmax
-tokens verified with a one-hot q: the acceptance before the real q was passed.
+tokens verified with a one-hot q: the acceptance before the real q was passed. Misses go
+to the neural backup by default, so every drafted round samples from sigma_{F,C}
+(prompt-lookup rounds would be verified with a one-hot q at every C and blur its effect).
 """
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("-k", type=int, default=3)
     ap.add_argument("--budget", type=int, default=4)
+    ap.add_argument("--fallback", choices=["neural", "fast", "auto"], default="neural",
+                    help="the backup on a cache miss (default neural: every round uses the C under test)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-hot q run")
     args = ap.parse_args(argv)
 
@@ -41,7 +46,7 @@ def main(argv=None) -> None:
         out = OUT / ("C" + label if extra[0] == "--saguaro-c" else "one_hot_q")
         result = run_benchmark([
             "--quick", "--systems", f"SSD-K{args.k}", "--batches", "1", "--temperatures", "1",
-            "--ks", str(args.k), "--budget", str(args.budget), *extra,
+            "--ks", str(args.k), "--budget", str(args.budget), "--fallback", args.fallback, *extra,
             "--max-tokens", str(args.max_tokens),
             "--prompts-per-set", str(args.prompts), "--out", str(out)])
         for r in result["records"]:
@@ -51,7 +56,7 @@ def main(argv=None) -> None:
     table = "\n".join(lines)
     (OUT / "c_sweep.md").write_text(
         f"SSD K={args.k}, geometric budget {args.budget}, T=1, batch 1, "
-        f"{args.prompts} prompts per set, {args.max_tokens} tokens. 'one-hot q': the draft "
+        f"{args.prompts} prompts per set, {args.max_tokens} tokens, fallback {args.fallback}. 'one-hot q': the draft "
         "drafts argmax tokens and the verifier gets a one-hot q (vLLM's way for custom "
         f"proposers), the before of passing the real q.\n\n{table}\n")
     (OUT / "c_sweep.json").write_text(json.dumps(rows))

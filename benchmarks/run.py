@@ -82,6 +82,8 @@ class System:
                 "log_stats_interval_s": 0}
         if s.draft_cores:
             spec["draft_cpu_cores"] = s.draft_cores
+        if s.fallback:
+            spec["fallback"] = s.fallback
         if self.kind == "ssd":
             spec["fanout"] = {"policy": "geometric", "budget": self.budget}
             spec["saguaro_c"] = s.saguaro_c
@@ -116,6 +118,7 @@ class Settings:
     head_tokens: int | None = None   # the plugin's draft head cut (vLLM's SD keeps it whole)
     saguaro_c: float = 1.0           # C of Saguaro sampling for the SSD systems
     draft_sampling: str = "saguaro"  # the plugin's draft_sampling ("greedy": one-hot q)
+    fallback: str | None = None      # the plugin's fallback (None: its default, auto)
 
 
 def settings_for(mode: str) -> Settings:
@@ -619,6 +622,8 @@ def parse_args(argv=None):
                    "draft's trained head; vLLM's draft_model keeps the full head)")
     p.add_argument("--draft-sampling", choices=["saguaro", "greedy"],
                    help="the plugin's draft_sampling: greedy = argmax drafts verified with a one-hot q")
+    p.add_argument("--fallback", choices=["neural", "fast", "auto"],
+                   help="the plugin's backup on a cache miss (default: the plugin's, auto)")
     p.add_argument("--gpu-target-tok-s", type=float, default=GPU_TARGET_TOK_S)
     p.add_argument("--gpu-draft-ms", type=float, default=GPU_DRAFT_STEP_MS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -655,6 +660,8 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.head_tokens = HEAD_TOKENS
     if args.draft_sampling:
         s.draft_sampling = args.draft_sampling
+    if args.fallback:
+        s.fallback = args.fallback
     if s.max_tokens < 2:
         raise SystemExit("--max-tokens must be >= 2 (decode time is first to last token)")
     return s

@@ -52,3 +52,20 @@ def test_quick_mode_writes_results(tmp_path, tiny_target, tiny_draft):
     ncols = table[0].count("|")
     assert all(line.count("|") == ncols for line in table[1:1 + len(recs)])
     assert "NOT a measurement" in md
+
+
+def test_overrides_reach_a_valid_plugin_config(tiny_draft):
+    """--saguaro-c / --draft-sampling / --fallback end up in the SSD system's spec, which the
+    plugin's own config model accepts (no engine needed)."""
+    from benchmarks.run import System, apply_overrides, parse_args, settings_for
+    from vllm_saguaro.config import load_config
+
+    d = str(tiny_draft)
+    args = parse_args(["--quick", "--draft", d, "--saguaro-c", "0.25",
+                       "--draft-sampling", "greedy", "--fallback", "neural"])
+    s = apply_overrides(settings_for("quick"), args)
+    cfg = load_config(System("ssd", 3, budget=4).spec(d, s))
+    assert (cfg.saguaro_c, cfg.draft_sampling, cfg.fallback) == (0.25, "greedy", "neural")
+    plain = apply_overrides(settings_for("quick"), parse_args(["--draft", d]))
+    sync = load_config(System("sync_sd", 3).spec(d, plain))
+    assert sync.fallback == "auto"  # no --fallback: the plugin's default
