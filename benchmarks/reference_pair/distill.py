@@ -92,6 +92,17 @@ def make_draft(target, layer_ids: list[int]):
     return draft
 
 
+def init_from(draft, init_dir: Path) -> None:
+    """Load an exported delta (layers + final norm) into a draft of the same shape."""
+    from safetensors.torch import load_file
+
+    delta = load_file(str(init_dir / "draft_delta.safetensors"))
+    missing, unexpected = draft.load_state_dict({k: v.float() for k, v in delta.items()}, strict=False)
+    missing = [k for k in missing if k not in ("lm_head.weight", "model.embed_tokens.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{init_dir} does not fit --layers: missing {missing[:2]}, unexpected {unexpected[:2]}")
+
+
 def batches(seqs: list[dict], tokens_per_batch: int, max_prompt: int, rng: random.Random):
     """Yield lists of sequences with about tokens_per_batch generated (loss) tokens."""
     order = list(range(len(seqs)))
@@ -233,6 +244,8 @@ def main() -> None:
     ap.add_argument("--heldout", type=int, default=150, help="sequences held out for the running agreement")
     ap.add_argument("--head-tokens", type=int, default=0,
                     help="train with the draft's head cut to the N most frequent tokens (0: full vocabulary)")
+    ap.add_argument("--init", help="continue from a draft directory (draft_delta.safetensors, and its "
+                    "token_frequencies.json for the head) instead of copying target layers")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -254,6 +267,8 @@ def main() -> None:
     pad_id = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else 2
     draft = make_draft(target, [int(x) for x in args.layers.split(",")])
     del target
+    if args.init:
+        init_from(draft, Path(args.init))
     seqs = []
     for d in args.data:
         seqs += load_shards(d)
@@ -264,7 +279,11 @@ def main() -> None:
     ntok = sum(len(s["gen_ids"]) for s in train)
     say(f"train: {len(train)} sequences, {ntok} generated tokens; heldout {len(held)}")
     vocab = draft.model.embed_tokens.weight.shape[0]
-    order = frequency_order(train, vocab) if args.head_tokens else None
+    init_order = Path(args.init or "", "token_frequencies.json")
+    if args.head_tokens and args.init and init_order.exists():  # keep the head the draft was trained for
+        order = json.loads(init_order.read_text())
+    else:
+        order = frequency_order(train, vocab) if args.head_tokens else None
     head = Head(order, args.head_tokens, vocab) if order else None
     if head is not None:
         covered = sum(int((head.index[s["gen_ids"].long()] >= 0).sum()) for s in held)

@@ -48,6 +48,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--n-prompts", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--mix", default="default", help="prompt mix of prompts.MIXES (chat: the MT-Bench-like second round)")
     ap.add_argument("--shard-size", type=int, default=512, help="prompts per LLM.generate call / shard")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
@@ -70,7 +71,7 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.target)
-    prompts = build_prompts(args.n_prompts, seed=args.seed)
+    prompts = build_prompts(args.n_prompts, seed=args.seed, mix=args.mix)
     r = random.Random(args.seed + 1)
     ids_all = []
     for p in prompts:

@@ -147,6 +147,75 @@ QUESTIONS = ["What is the meaning of life?", "How do airplanes stay in the air?"
              "What causes the seasons?", "How do I deal with procrastination?", "What is a good morning routine?"]
 
 
+# Second data round (mix="chat"): MT-Bench's eight categories (writing, role-play, reasoning,
+# math, coding, extraction, STEM, humanities) in shapes the first round lacked: multi-part
+# instructions, constraints, data to extract from, puzzles. None is an MT-Bench question.
+CONSTRAINTS = ["Keep it under 150 words.", "Use bullet points.", "Answer in exactly three sentences.",
+               "Use a friendly tone.", "Include at least one example.", "End with a question for the reader.",
+               "Avoid technical jargon.", "Write it as a numbered list.", "Use a formal tone.", "Be concise.",
+               "Include a title.", "Explain your reasoning step by step.", "Format the answer as a table.",
+               "Use simple words a child would understand.", "Include a short summary at the end."]
+FOLLOW_UPS = ["Then summarize your answer in one sentence.", "Then give it a title.",
+              "Then list three key points.", "Then rewrite the first sentence to be more engaging.",
+              "Then explain which part was hardest to write.", "Then suggest a follow-up question."]
+PROCESSES = ["how a bill becomes a law", "how rain forms", "how the heart pumps blood", "how a star is born",
+             "how coffee is roasted", "how a search engine ranks pages", "how paper is recycled", "how bread rises",
+             "how a solar panel produces electricity", "how antibodies fight an infection", "how mountains form",
+             "how a compiler turns source code into machine code", "how a bank decides on a loan",
+             "how glass is made", "how a rocket reaches orbit", "how memories are stored in the brain"]
+DOMAINS = ["education", "healthcare", "the economy", "the environment", "politics", "art", "science",
+           "family life", "small businesses", "cities", "agriculture", "sports", "journalism", "tourism"]
+FIGURES = ["Marie Curie", "Leonardo da Vinci", "Nelson Mandela", "Isaac Newton", "Cleopatra", "Confucius",
+           "Ada Lovelace", "Mahatma Gandhi", "Charles Darwin", "Frida Kahlo", "Galileo Galilei", "Queen Victoria"]
+STEM_HUM_TEMPLATES = [
+    "Describe {process}.", "Explain {process}, step by step.", "What role did {figure} play in history?",
+    "Discuss the impact of {topic} on {domain}.", "How has {topic} changed {domain} over the last century?",
+    "What can {domain} learn from {topic}?", "Design a simple experiment to learn more about {topic}.",
+    "What are the main arguments for and against {topic} in {domain}?", "Imagine a conversation between {figure} and {figure2} about {topic}.",
+    "How would {figure} have reacted to {topic}?", "What ethical questions does {topic} raise for {domain}?",
+    "Explain the science behind {topic} with one everyday example.",
+    "Write a persuasive essay arguing that {topic} matters for {domain}.", "Write a short lesson plan about {topic} for {aud}.",
+]
+CITIES = ["Lisbon", "Nairobi", "Oslo", "Lima", "Seoul", "Toronto", "Cairo", "Hanoi", "Dublin", "Quito", "Perth", "Krakow"]
+
+
+def _extract_prompt(r: random.Random) -> str:
+    people = r.sample(NAMES, r.randint(3, 5))
+    rows = [f"{n}, {r.randint(19, 70)}, {r.choice(CITIES)}, {r.choice(['engineer', 'teacher', 'nurse', 'chef', 'artist', 'pilot'])}"
+            for n in people]
+    items = [f"{t}: ${r.randint(2, 90)}.{r.randint(0, 99):02d}" for t in r.sample(THINGS + ["lamps", "pens", "mugs"], 4)]
+    text = r.choice([
+        "Here is a list of people (name, age, city, job):\n" + "\n".join(rows) + "\n\n" + r.choice([
+            "Who is the oldest, and where do they live?", "Return the data as a JSON list of objects.",
+            "Sort them by age and write one sentence about each.", "How many of them are older than 40?",
+            "Write a short paragraph introducing these people."]),
+        "A shop lists these prices:\n" + "\n".join(items) + "\n\n" + r.choice([
+            "What is the total cost of one of each?", "Which item is the most expensive?",
+            "Format this as a markdown table.", "If everything is 20% off, what are the new prices?"]),
+        "Extract the names, ages and cities from this text: " + " ".join(
+            f"{row.split(', ')[0]} is {row.split(', ')[1]} and lives in {row.split(', ')[2]}." for row in rows),
+    ])
+    return text
+
+
+def _reasoning_prompt(r: random.Random) -> str:
+    a, b, c = r.sample(NAMES, 3)
+    n, m = r.randint(2, 9), r.randint(2, 9)
+    start, step = r.randint(1, 9), r.randint(2, 5)
+    return r.choice([
+        f"{a} is taller than {b}, and {b} is taller than {c}. Who is the shortest? Explain.",
+        f"{a} is older than {b}. {c} is younger than {b}. Is {a} older than {c}?",
+        f"What comes next in the sequence {start}, {start * step}, {start * step ** 2}, {start * step ** 3}? Why?",
+        f"If {n} workers build a wall in {m} days, how long would {n * 2} workers take? Explain your reasoning.",
+        f"I have {n} red socks and {m} blue socks in a drawer. How many must I take out in the dark to be sure of a matching pair?",
+        f"{a} says: \"{b} is lying.\" {b} says: \"{c} is lying.\" {c} says: \"{a} and {b} are both lying.\" Who is telling the truth?",
+        f"A clock shows {r.randint(1, 12)}:{r.choice(['00', '15', '30', '45'])}. What is the angle between the hands?",
+        f"There are {n + m} people in a room and everyone shakes hands with everyone else once. How many handshakes are there?",
+        f"{a} walks {n} km north, then {m} km east. How far is {a} from the starting point?",
+        f"If all {r.choice(THINGS)} are blue and some blue things are heavy, are some {r.choice(THINGS)} heavy? Explain.",
+    ])
+
+
 def _math_prompt(r: random.Random) -> str:
     a, b, c = r.randint(2, 90), r.randint(2, 40), r.randint(2, 12)
     n1, n2, th = r.choice(NAMES), r.choice(NAMES), r.choice(THINGS)
@@ -168,8 +237,20 @@ def _math_prompt(r: random.Random) -> str:
 
 # --------------------------------------------------------------------------- assembly
 
-def build_prompts(n: int, seed: int = 0) -> list[dict]:
-    """Return n varied prompts (raw code completions and chat user messages)."""
+MIXES = {  # (weight, kind)
+    "default": [(14, "raw_func_doc"), (6, "raw_code_chunk"), (3, "raw_class"), (2, "raw_typed_stub"),
+                (22, "chat_template"), (6, "chat_math"), (8, "chat_write_func"), (5, "chat_explain_code"),
+                (4, "chat_docpara"), (3, "chat_api_question"), (2, "chat_fix_or_test")],
+    # second round: MT-Bench-like chat first, with some code so HumanEval is not forgotten
+    "chat": [(5, "raw_func_doc"), (1, "raw_code_chunk"), (1, "raw_typed_stub"),
+             (14, "chat_template"), (10, "chat_constrained"), (7, "chat_multi"), (12, "chat_stem_hum"),
+             (7, "chat_extract"), (7, "chat_reasoning"), (5, "chat_math"), (4, "chat_write_func"),
+             (2, "chat_explain_code"), (3, "chat_docpara")],
+}
+
+
+def build_prompts(n: int, seed: int = 0, mix: str = "default") -> list[dict]:
+    """Return n varied prompts (raw code completions and chat user messages) of one mix."""
     r = random.Random(seed)
     funcs, chunks, paras = _harvest(_stdlib_files())
     fn_only = [f for f in funcs if not f["is_class"]]
@@ -178,16 +259,14 @@ def build_prompts(n: int, seed: int = 0) -> list[dict]:
     def fill(t: str) -> str:
         t1, t2 = r.sample(TOPICS, 2)
         l1, l2 = r.sample(LANGS, 2)
+        f1, f2 = r.sample(FIGURES, 2) if mix != "default" else ("", "")  # the default mix's draws stay as they were
         return t.format(topic=t1, topic2=t2, aud=r.choice(AUDIENCES), n=r.randint(3, 7), style=r.choice(STYLES),
                         form=r.choice(FORMS), person=r.choice(PEOPLE), reason=r.choice(REASONS), role=r.choice(ROLES),
                         q=r.choice(QUESTIONS), activity=r.choice(ACTIVITIES), thing=r.choice(THINGS[:-1] + ["laptop", "blender", "bicycle", "phone"]),
-                        place=r.choice(PLACES), lang=l1, lang2=l2, code_task=r.choice(CODE_TASKS))
+                        place=r.choice(PLACES), lang=l1, lang2=l2, code_task=r.choice(CODE_TASKS),
+                        process=r.choice(PROCESSES), domain=r.choice(DOMAINS), figure=f1, figure2=f2)
 
-    kinds = [  # (weight, kind)
-        (14, "raw_func_doc"), (6, "raw_code_chunk"), (3, "raw_class"), (2, "raw_typed_stub"),
-        (22, "chat_template"), (6, "chat_math"), (8, "chat_write_func"), (5, "chat_explain_code"),
-        (4, "chat_docpara"), (3, "chat_api_question"), (2, "chat_fix_or_test"),
-    ]
+    kinds = MIXES[mix]
     weights = [w for w, _ in kinds]
     for _ in range(n):
         kind = r.choices([k for _, k in kinds], weights)[0]
@@ -209,6 +288,16 @@ def build_prompts(n: int, seed: int = 0) -> list[dict]:
                     f"    \"\"\" {task[0].upper() + task[1:]}.\n    >>> {name}([{r.randint(1, 9)}, {r.randint(1, 9)}, {r.randint(1, 9)}])\n")
         elif kind == "chat_template":
             text = fill(r.choice(CHAT_TEMPLATES))
+        elif kind == "chat_constrained":
+            text = fill(r.choice(CHAT_TEMPLATES + STEM_HUM_TEMPLATES)) + " " + r.choice(CONSTRAINTS)
+        elif kind == "chat_multi":
+            text = fill(r.choice(CHAT_TEMPLATES)) + " " + r.choice(FOLLOW_UPS)
+        elif kind == "chat_stem_hum":
+            text = fill(r.choice(STEM_HUM_TEMPLATES))
+        elif kind == "chat_extract":
+            text = _extract_prompt(r)
+        elif kind == "chat_reasoning":
+            text = _reasoning_prompt(r)
         elif kind == "chat_math":
             text = _math_prompt(r)
         elif kind == "chat_write_func":

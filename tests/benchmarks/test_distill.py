@@ -7,7 +7,7 @@ full-vocabulary loss; with a cut head, tokens outside it must never be predicted
 import pytest
 import torch
 
-from benchmarks.reference_pair.distill import Head, forward_loss, frequency_order
+from benchmarks.reference_pair.distill import Head, export, forward_loss, frequency_order, init_from
 
 VOCAB = 64
 
@@ -65,3 +65,20 @@ def test_cut_head_loss_is_finite_and_predicts_inside_it(draft):
     assert agree == 0.0
     kl.backward()  # the cut-head loss trains the layers
     assert draft.model.layers[0].mlp.up_proj.weight.grad is not None
+
+
+def test_init_from_an_export_continues_the_same_weights(draft, tmp_path):
+    """--init: a second round of training starts from the exported draft, not from target layers."""
+    from transformers import LlamaForCausalLM
+
+    export(draft, tmp_path, order=list(range(VOCAB)))
+    fresh = LlamaForCausalLM(draft.config).eval()
+    fresh.model.embed_tokens.weight.data.copy_(draft.model.embed_tokens.weight)  # the build's job
+    init_from(fresh, tmp_path)
+    ids = torch.randint(0, VOCAB, (1, 7))
+    with torch.no_grad():  # the export is bf16: equal up to its rounding
+        assert torch.allclose(fresh(ids).logits, draft(ids).logits, atol=0.1)
+        assert fresh(ids).logits.argmax(-1).tolist() == draft(ids).logits.argmax(-1).tolist()
+    other = LlamaForCausalLM(draft.config.__class__(**{**draft.config.to_dict(), "num_hidden_layers": 2}))
+    with pytest.raises(ValueError, match="does not fit"):
+        init_from(other, tmp_path)
