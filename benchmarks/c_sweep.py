@@ -1,7 +1,7 @@
 """Saguaro sampling's trade-off on the reference pair: hit rate and acceptance against C.
 
     python -m benchmarks.c_sweep [--cs 1,0.5,0.25,0.1,0] [--prompts 2] [--max-tokens 64]
-                                 [--fallback neural]
+                                 [--fallback neural] [--target T --draft D] [--out DIR]
 
 SSD at temperature 1, batch 1, one benchmarks/run.py quick run per C (results under
 benchmarks/results/c_sweep/), then one table: like the paper's figure 5, a smaller C
@@ -29,6 +29,9 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", type=int, default=4)
     ap.add_argument("--fallback", choices=["neural", "fast", "auto"], default="neural",
                     help="the backup on a cache miss (default neural: every round uses the C under test)")
+    ap.add_argument("--target", help="target checkpoint (default: the reference pair's)")
+    ap.add_argument("--draft", help="draft checkpoint (default: the reference pair's)")
+    ap.add_argument("--out", default=str(OUT), help="results directory")
     ap.add_argument("--no-baseline", action="store_true", help="skip the one-hot q run")
     args = ap.parse_args(argv)
 
@@ -36,6 +39,8 @@ def main(argv=None) -> None:
 
     from benchmarks.run import main as run_benchmark
 
+    out_dir = Path(args.out)
+    models = [x for flag, v in (("--target", args.target), ("--draft", args.draft)) if v for x in (flag, v)]
     cores = os.sched_getaffinity(0)
     runs = [(f"{float(c):g}", ["--saguaro-c", c]) for c in args.cs.split(",")]
     if not args.no_baseline:  # "before": argmax drafts verified with a one-hot q
@@ -43,23 +48,23 @@ def main(argv=None) -> None:
     rows = []
     for label, extra in runs:
         os.sched_setaffinity(0, cores)  # each run pins the process to its target core
-        out = OUT / ("C" + label if extra[0] == "--saguaro-c" else "one_hot_q")
+        out = out_dir / ("C" + label if extra[0] == "--saguaro-c" else "one_hot_q")
         result = run_benchmark([
             "--quick", "--systems", f"SSD-K{args.k}", "--batches", "1", "--temperatures", "1",
             "--ks", str(args.k), "--budget", str(args.budget), "--fallback", args.fallback, *extra,
             "--max-tokens", str(args.max_tokens),
-            "--prompts-per-set", str(args.prompts), "--out", str(out)])
+            "--prompts-per-set", str(args.prompts), "--out", str(out), *models])
         for r in result["records"]:
             rows.append((label, r["dataset"], r["hit_rate"], r["accept_len"], r["tok_s_seq"]))
     lines = ["| C | dataset | hit rate | acceptance length | decode tok/s |", "|---|---|---|---|---|"]
     lines += [f"| {c} | {d} | {h:.3f} | {a:.2f} | {t:.1f} |" for c, d, h, a, t in rows]
     table = "\n".join(lines)
-    (OUT / "c_sweep.md").write_text(
+    (out_dir / "c_sweep.md").write_text(
         f"SSD K={args.k}, geometric budget {args.budget}, T=1, batch 1, "
         f"{args.prompts} prompts per set, {args.max_tokens} tokens, fallback {args.fallback}. 'one-hot q': the draft "
         "drafts argmax tokens and the verifier gets a one-hot q (vLLM's way for custom "
         f"proposers), the before of passing the real q.\n\n{table}\n")
-    (OUT / "c_sweep.json").write_text(json.dumps(rows))
+    (out_dir / "c_sweep.json").write_text(json.dumps(rows))
     print(table)
 
 

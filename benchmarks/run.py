@@ -86,7 +86,8 @@ class System:
             spec["fallback"] = s.fallback
         if self.kind == "ssd":
             spec["fanout"] = {"policy": "geometric", "budget": self.budget}
-            spec["saguaro_c"] = s.saguaro_c
+            if s.saguaro_c is not None:
+                spec["saguaro_c"] = s.saguaro_c
         return spec
 
 
@@ -116,7 +117,7 @@ class Settings:
     draft_cores: list[int] | None = None   # the plugin's draft core (the second core)
     max_model_len: int = 2048
     head_tokens: int | None = None   # the plugin's draft head cut (vLLM's SD keeps it whole)
-    saguaro_c: float = 1.0           # C of Saguaro sampling for the SSD systems
+    saguaro_c: float | None = None   # C of Saguaro sampling for SSD (None: the plugin's default)
     draft_sampling: str = "saguaro"  # the plugin's draft_sampling ("greedy": one-hot q)
     fallback: str | None = None      # the plugin's fallback (None: its default, auto)
 
@@ -616,7 +617,7 @@ def parse_args(argv=None):
     p.add_argument("--budget", type=int, help="SSD geometric fan-out budget")
     p.add_argument("--draft-dtype", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="the target's dtype")
-    p.add_argument("--saguaro-c", type=float, help="C of Saguaro sampling for SSD (default 1)")
+    p.add_argument("--saguaro-c", type=float, help="C of Saguaro sampling for SSD (default: the plugin's, 0.5)")
     p.add_argument("--head-tokens", type=int,
                    help="the plugin's draft_head_tokens, 0 = full head (default: the reference "
                    "draft's trained head; vLLM's draft_model keeps the full head)")

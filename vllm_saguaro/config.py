@@ -53,7 +53,10 @@ class SaguaroConfig(BaseModel):
     draft_model: str = Field(..., description="path to a HF Llama/Qwen2/Qwen3 draft checkpoint")
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="K, draft tokens per round")
     fanout: FanoutConfig = Field(default_factory=FanoutConfig)
-    saguaro_c: float = Field(1.0, ge=0.0, le=1.0, description="C in sigma_{F,C}; 1 = plain draft")
+    saguaro_c: float = Field(
+        0.5, ge=0.0, le=1.0, description="C in sigma_{F,C}; 1 = plain draft sampling. Smaller "
+        "C: more cache hits, fewer accepted tokens; 0.5 was fastest at T=1 on the reference "
+        "pair (benchmarks/results/c_sweep)")
     draft_sampling: Literal["saguaro", "greedy"] = Field(
         "saguaro", description="saguaro: sampled requests draft from sigma_{F,C} and are "
         "verified with that q; greedy: every request drafts argmax tokens, verified with a "
