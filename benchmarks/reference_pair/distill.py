@@ -279,8 +279,8 @@ def main() -> None:
     ntok = sum(len(s["gen_ids"]) for s in train)
     say(f"train: {len(train)} sequences, {ntok} generated tokens; heldout {len(held)}")
     vocab = draft.model.embed_tokens.weight.shape[0]
-    init_order = Path(args.init or "", "token_frequencies.json")
-    if args.head_tokens and args.init and init_order.exists():  # keep the head the draft was trained for
+    init_order = Path(args.init, "token_frequencies.json") if args.init else None
+    if args.head_tokens and init_order and init_order.exists():  # keep the head the draft was trained for
         order = json.loads(init_order.read_text())
     else:
         order = frequency_order(train, vocab) if args.head_tokens else None

@@ -1,6 +1,7 @@
 """Every patch of vLLM 0.32 internals, in one place. Each is small, idempotent and tested
-(tests/vllm_glue/test_patches.py); the plugin refuses other vLLM versions instead of
-guessing at their internals.
+(tests/vllm_glue/test_patches.py; the runner patches through the engine in tests/e2e:
+test_greedy_identity, test_sampled_lossless, test_seeded_chunked_prefill); the plugin
+refuses other vLLM versions instead of guessing at their internals.
 """
 from __future__ import annotations
 
