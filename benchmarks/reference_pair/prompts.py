@@ -180,9 +180,9 @@ CITIES = ["Lisbon", "Nairobi", "Oslo", "Lima", "Seoul", "Toronto", "Cairo", "Han
 
 
 def _extract_prompt(r: random.Random) -> str:
-    people = r.sample(NAMES, r.randint(3, 5))
-    rows = [f"{n}, {r.randint(19, 70)}, {r.choice(CITIES)}, {r.choice(['engineer', 'teacher', 'nurse', 'chef', 'artist', 'pilot'])}"
-            for n in people]
+    people = [(n, r.randint(19, 70), r.choice(CITIES), r.choice(["engineer", "teacher", "nurse", "chef", "artist", "pilot"]))
+              for n in r.sample(NAMES, r.randint(3, 5))]
+    rows = [", ".join(map(str, p)) for p in people]
     items = [f"{t}: ${r.randint(2, 90)}.{r.randint(0, 99):02d}" for t in r.sample(THINGS + ["lamps", "pens", "mugs"], 4)]
     text = r.choice([
         "Here is a list of people (name, age, city, job):\n" + "\n".join(rows) + "\n\n" + r.choice([
@@ -193,7 +193,7 @@ def _extract_prompt(r: random.Random) -> str:
             "What is the total cost of one of each?", "Which item is the most expensive?",
             "Format this as a markdown table.", "If everything is 20% off, what are the new prices?"]),
         "Extract the names, ages and cities from this text: " + " ".join(
-            f"{row.split(', ')[0]} is {row.split(', ')[1]} and lives in {row.split(', ')[2]}." for row in rows),
+            f"{name} is {age} and lives in {city}." for name, age, city, _ in people),
     ])
     return text
 

@@ -192,9 +192,10 @@ def patch_cpu_rejection_sampler_expand() -> None:
 
 def _discarded_cpu_generators(runner) -> dict[int, Any]:
     """Rows whose sampled token this step is thrown away (partial prefills), seeded on CPU."""
-    n = runner.input_batch.num_reqs
     gens = runner.input_batch.generators
-    rows = runner.discard_request_mask.np[:n].nonzero()[0]
+    if not gens:  # no seeded request in the batch: the common case, nothing to do
+        return {}
+    rows = runner.discard_request_mask.np[:runner.input_batch.num_reqs].nonzero()[0]
     return {int(i): gens[int(i)] for i in rows if int(i) in gens and gens[int(i)].device.type == "cpu"}
 
 
