@@ -74,6 +74,11 @@ def mt_bench_questions() -> list[str]:
     return [q["turns"][0] for q in _jsonl(read_package_file(MT_BENCH))]
 
 
+def mt_bench_categories() -> list[str]:
+    """The category of each of mt_bench_questions() (writing, roleplay, ..., humanities)."""
+    return [q["category"] for q in _jsonl(read_package_file(MT_BENCH))]
+
+
 def humaneval_prompts() -> list[str]:
     """The 164 HumanEval function stubs (raw completion prompts)."""
     return [p["prompt"] for p in _jsonl(gzip.decompress(read_package_file(HUMANEVAL)))]

