@@ -86,6 +86,8 @@ class System:
             spec["fallback"] = s.fallback
         if self.kind == "ssd":
             spec["fanout"] = {"policy": "geometric", "budget": self.budget}
+            if s.fit_to_round is not None:
+                spec["fanout"]["fit_to_round"] = s.fit_to_round
             if s.saguaro_c is not None:
                 spec["saguaro_c"] = s.saguaro_c
         return spec
@@ -120,6 +122,7 @@ class Settings:
     saguaro_c: float | None = None   # C of Saguaro sampling for SSD (None: the plugin's default)
     draft_sampling: str = "saguaro"  # the plugin's draft_sampling ("greedy": one-hot q)
     fallback: str | None = None      # the plugin's fallback (None: its default, auto)
+    fit_to_round: bool | None = None  # the plugin's fanout.fit_to_round (None: its default)
 
 
 def settings_for(mode: str) -> Settings:
@@ -625,6 +628,8 @@ def parse_args(argv=None):
                    help="the plugin's draft_sampling: greedy = argmax drafts verified with a one-hot q")
     p.add_argument("--fallback", choices=["neural", "fast", "auto"],
                    help="the plugin's backup on a cache miss (default: the plugin's, auto)")
+    p.add_argument("--fit-to-round", choices=["on", "off"],
+                   help="SSD: fanout.fit_to_round (shrink the budget so the tree decode fits the round)")
     p.add_argument("--gpu-target-tok-s", type=float, default=GPU_TARGET_TOK_S)
     p.add_argument("--gpu-draft-ms", type=float, default=GPU_DRAFT_STEP_MS)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -663,6 +668,8 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.draft_sampling = args.draft_sampling
     if args.fallback:
         s.fallback = args.fallback
+    if args.fit_to_round is not None:
+        s.fit_to_round = args.fit_to_round == "on"
     if s.max_tokens < 2:
         raise SystemExit("--max-tokens must be >= 2 (decode time is first to last token)")
     return s

@@ -42,6 +42,10 @@ class FanoutConfig(BaseModel):
     fit_acceptance: bool = Field(
         True, description="geometric: refit a_p from the verified outcomes as decoding goes "
         "(acceptance_rate is then the prior)")
+    fit_to_round: bool = Field(
+        False, description="geometric: shrink the per-sequence budget (budget is then the "
+        "maximum) so that the whole batch's tree decode fits in the target's verification "
+        "time, both measured as decoding goes")
 
 
 class SaguaroConfig(BaseModel):

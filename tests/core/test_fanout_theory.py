@@ -1,6 +1,7 @@
 import pytest
 
-from vllm_saguaro.core.fanout import AcceptanceFit, fanout_for, geometric_fanout, uniform_fanout
+from vllm_saguaro.core.fanout import (AcceptanceFit, budget_that_fits, fanout_for, geometric_fanout,
+                                      uniform_fanout)
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.theory import (expected_tokens_per_round, fallback_crossover, sd_speedup,
                                       ssd_speedup)
@@ -88,3 +89,11 @@ def test_acceptance_fit_starts_at_the_prior_and_forgets():
     for _ in range(200):
         fit.observe(0, 4)          # ... then nothing: the old rounds fade
     assert fit.rate < 0.1
+
+
+def test_budget_that_fits_the_round():
+    assert budget_that_fits(8, 4, 0.1, 0.0) == 8           # nothing measured yet
+    assert budget_that_fits(8, 4, 0.1, 0.005) == 5         # 4 x 5 x 5 ms = 100 ms
+    assert budget_that_fits(8, 16, 0.1, 0.005) == 1        # even one branch each overruns
+    assert budget_that_fits(8, 1, 1.0, 0.005) == 8         # never above the configured budget
+    assert budget_that_fits(8, 2, -0.2, 0.005) == 1        # the glue pass alone overruns

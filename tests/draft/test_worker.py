@@ -222,3 +222,27 @@ def test_fast_backup_drafts_by_prompt_lookup_and_the_next_round_goes_on(tiny_tar
     (k, b), branch = next(iter(w.seqs["a"].cache.entries.items()))
     (nxt2, hit2, _), = step(w, [("a", nxt[:k] + [b], None, None)], [])
     assert hit2 and nxt2 == branch.tokens == hf_greedy(hf, p + [bonus] + nxt[:k] + [b], 3)
+
+
+def test_fit_to_round_sizes_the_budget_from_measured_times(tiny_target):
+    """The pre-speculation measures its glue pass and per-branch cost; with fit_to_round the
+    next geometric fan-out holds the budget whose tree decode fits the round."""
+    from vllm_saguaro.core.fallback import RunningMean
+
+    def run(fit: bool, batch: int):
+        w = worker(tiny_target, fanout={"policy": "geometric", "budget": 8, "fit_to_round": fit})
+        rids = [f"s{i}" for i in range(batch)]
+        specs = [s for s, _, _ in step(w, [(r, None, [5, 17, 99, 3 + i], None) for i, r in enumerate(rids)], [])]
+        w.prespeculate()
+        measured = (w.t_glue.value, w.t_branch.value)
+        # a 41 ms round, a 1 ms glue pass, 10 ms per branch (pinned: real timings jitter)
+        w.t_round, w.t_glue, w.t_branch = (RunningMean(v, weight=1e9) for v in (0.041, 0.001, 0.01))
+        nxt = [next(t for t in range(10, 512) if t not in s) for s in specs]
+        step(w, [(r, s + [b], None, None) for r, s, b in zip(rids, specs, nxt)], [])
+        return measured, w.fanout, w.stats.budget
+
+    (glue, branch), fan, budget = run(True, 1)
+    assert glue > 0 and branch > 0
+    assert sum(fan) == budget == 4                          # 40 ms / (1 x 10 ms)
+    assert sum(run(True, 2)[1]) == 2                        # twice the rows, half the budget
+    assert sum(run(False, 2)[1]) == 8                       # off: the configured budget

@@ -29,6 +29,19 @@ def geometric_fanout(k_max: int, budget: int, acceptance_rate: float, miss_expon
     return _round_to_budget(weights, budget)
 
 
+def budget_that_fits(max_budget: int, batch: int, window_s: float, s_per_branch: float) -> int:
+    """The per-sequence budget whose tree decode fits in the time the target verifies.
+
+    Pre-speculation must end before the target's round does, or the next step waits for it:
+    at batch 16 a budget of 8 is 128 branch rows per tree step. The tree decode costs about
+    batch x budget x s_per_branch seconds, s_per_branch measured at the current budget, so
+    the budget moves to where the decode just fits. Nothing measured yet (0): max_budget.
+    """
+    if s_per_branch <= 0:
+        return max_budget
+    return max(1, min(max_budget, int(max(window_s, 0.0) / (batch * s_per_branch))))
+
+
 class AcceptanceFit:
     """Online estimate of a_p, the per-token acceptance rate the geometric fan-out needs.
 

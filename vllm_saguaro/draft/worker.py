@@ -20,7 +20,7 @@ import torch
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.fallback import RunningMean, ngram_draft, use_neural_fallback
-from vllm_saguaro.core.fanout import AcceptanceFit, fanout_for
+from vllm_saguaro.core.fanout import AcceptanceFit, budget_that_fits, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.sampling import SamplingSpec, draft_distribution
 from vllm_saguaro.core.theory import expected_tokens_per_round
@@ -67,6 +67,7 @@ class DraftStats:
     aborted: int = 0              # pre-speculations cut short by a certain miss
     lock_wait_s: float = 0.0      # time step() waited for the pre-speculation in flight
     acceptance_rate: float = 0.0  # the fitted a_p the geometric fan-out now uses
+    budget: int = 0               # the geometric budget per sequence now in use
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -130,7 +131,6 @@ class DraftWorker:
         self.kv = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.model.dtype, device)
         self.K = cfg.num_speculative_tokens
         self.acceptance = AcceptanceFit(cfg.fanout.acceptance_rate)
-        self.fanout = self._fanout()
         # What the batch-size-aware fallback weighs: tokens per round after each backup,
         # the round time (target verification) and the neural backup's time.
         self.tokens_neural = RunningMean(
@@ -138,6 +138,9 @@ class DraftWorker:
         self.tokens_fast = RunningMean(1.0)  # pessimistic until measured
         self.t_round = RunningMean(0.0, weight=1e-6)
         self.t_neural = RunningMean(0.0, weight=1e-6)
+        # What fit_to_round weighs: the glue pass and one branch row of the tree decode.
+        self.t_glue = RunningMean(0.0, weight=1e-6)
+        self.t_branch = RunningMean(0.0, weight=1e-6)
         self._last_return: float | None = None
         self.vocab_size = target_vocab_size
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
@@ -146,16 +149,22 @@ class DraftWorker:
         self.generator = torch.Generator().manual_seed(0)
         self.seqs: dict[str, SeqState] = {}
         self.stats = DraftStats()
+        self.fanout = self._fanout()
         # step() and prespeculate() may run on two threads (the Ray actor allows it): the
         # lock keeps the model and KV single-user, the event lets step() cut a
         # pre-speculation short when its result cannot be used.
         self._lock = threading.Lock()
         self._abort = threading.Event()
 
-    def _fanout(self) -> list[int]:
+    def _fanout(self, batch: int = 1) -> list[int]:
         f = self.cfg.fanout
         a_p = self.acceptance.rate if f.fit_acceptance else f.acceptance_rate
-        return fanout_for(f.policy, self.K, budget=f.budget, width=f.width,
+        budget = f.budget
+        if f.fit_to_round:
+            budget = budget_that_fits(f.budget, batch, self.t_round.value - self.t_glue.value,
+                                      self.t_branch.value)
+        self.stats.budget = budget if f.policy == "geometric" else 0
+        return fanout_for(f.policy, self.K, budget=budget, width=f.width,
                           acceptance_rate=a_p, miss_exponent=f.miss_exponent)
 
     # ----------------------------------------------------------------- protocol
@@ -233,8 +242,9 @@ class DraftWorker:
                 self.stats.hits += 1
                 st.spec = hit.tokens
                 results[i] = (hit.tokens, True, self._full_q(hit.probs))
-        if self.cfg.fanout.fit_acceptance and self.cfg.fanout.policy == "geometric":
-            self.fanout = self._fanout()
+        f = self.cfg.fanout
+        if f.policy == "geometric" and (f.fit_acceptance or f.fit_to_round):
+            self.fanout = self._fanout(len(self.seqs))
             self.stats.acceptance_rate = self.acceptance.rate
         fast = self._fast_backup_rows(updates, misses, looked_up)
         for i in fast:  # deterministic drafts: verified with a one-hot q (None)
@@ -442,11 +452,16 @@ class DraftWorker:
                 branches.extend((j, x) for x in top[:f])
             roots.append(branches)
             self.seqs[rid].roots = frozenset(Outcome(j, x) for j, x in branches)
+        t1 = time.perf_counter()
         drafted = self._tree_decode(rids, roots)
         if drafted is None:
             self.stats.aborted += 1
             self.stats.prespec_s += time.perf_counter() - t0
             return
+        rows = len(rids) * max(len(r) for r in roots)
+        if rows:
+            self.t_glue.add(t1 - t0)
+            self.t_branch.add((time.perf_counter() - t1) / rows)
         for rid, branches, specs in zip(rids, roots, drafted):
             cache = SpeculationCache()
             for (j, x), spec in zip(branches, specs):
