@@ -124,6 +124,8 @@ def generate_requests(llm, n: int, seed: int = 0, rounds: int = 3, temperature: 
         asks = []
         for _ in range(int(want * 1.6) + 8):  # some are rejected
             c = r.choice(list(SEEDS))
+            # (in the first round the third seed may repeat one of the two: kept as it is, so
+            # that the documented third-round data reproduces)
             ex = r.sample(SEEDS[c], 2) + ([r.choice(pool[c])] if pool[c] else r.sample(SEEDS[c], 1))
             r.shuffle(ex)
             asks.append((c, list_prompt(c, r.choice(TOPICS), ex)))
