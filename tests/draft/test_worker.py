@@ -235,14 +235,32 @@ def test_fit_to_round_sizes_the_budget_from_measured_times(tiny_target):
         specs = [s for s, _, _ in step(w, [(r, None, [5, 17, 99, 3 + i], None) for i, r in enumerate(rids)], [])]
         w.prespeculate()
         measured = (w.t_glue.value, w.t_branch.value)
-        # a 41 ms round, a 1 ms glue pass, 10 ms per branch (pinned: real timings jitter)
-        w.t_round, w.t_glue, w.t_branch = (RunningMean(v, weight=1e9) for v in (0.041, 0.001, 0.01))
+        # a 46 ms round, a 1 ms glue pass, 10 ms per branch (pinned: real timings jitter)
+        w.t_round, w.t_glue, w.t_branch = (RunningMean(v, weight=1e9) for v in (0.046, 0.001, 0.01))
         nxt = [next(t for t in range(10, 512) if t not in s) for s in specs]
         step(w, [(r, s + [b], None, None) for r, s, b in zip(rids, specs, nxt)], [])
         return measured, w.fanout, w.stats.budget
 
     (glue, branch), fan, budget = run(True, 1)
     assert glue > 0 and branch > 0
-    assert sum(fan) == budget == 4                          # 40 ms / (1 x 10 ms)
+    assert sum(fan) == budget == 4                          # 45 ms / (1 x 10 ms)
     assert sum(run(True, 2)[1]) == 2                        # twice the rows, half the budget
     assert sum(run(False, 2)[1]) == 8                       # off: the configured budget
+
+
+def test_a_cut_short_tree_decode_still_measures_the_branch_cost(tiny_target):
+    """Else a budget too big to finish before step() cuts it short is never measured."""
+    w = worker(tiny_target, fanout={"policy": "geometric", "budget": 8, "fit_to_round": True})
+    step(w, [("a", None, [5, 17, 99, 3], None)], [])
+    forward, calls = w.model.forward, []
+
+    def forward_then_abort(*args, **kw):  # 1st call: the glue pass; 2nd: tree step 0
+        calls.append(1)
+        if len(calls) == 2:
+            w._abort.set()
+        return forward(*args, **kw)
+
+    w.model.forward = forward_then_abort
+    w.prespeculate()
+    assert w.stats.aborted == 1 and w.seqs["a"].cache is None and len(calls) == 2
+    assert w.t_branch.value > 0 and w.t_glue.value > 0

@@ -452,16 +452,12 @@ class DraftWorker:
                 branches.extend((j, x) for x in top[:f])
             roots.append(branches)
             self.seqs[rid].roots = frozenset(Outcome(j, x) for j, x in branches)
-        t1 = time.perf_counter()
+        self.t_glue.add(time.perf_counter() - t0)
         drafted = self._tree_decode(rids, roots)
         if drafted is None:
             self.stats.aborted += 1
             self.stats.prespec_s += time.perf_counter() - t0
             return
-        rows = len(rids) * max(len(r) for r in roots)
-        if rows:
-            self.t_glue.add(t1 - t0)
-            self.t_branch.add((time.perf_counter() - t1) / rows)
         for rid, branches, specs in zip(rids, roots, drafted):
             cache = SpeculationCache()
             for (j, x), spec in zip(branches, specs):
@@ -498,8 +494,10 @@ class DraftWorker:
         row_rids = [rid for rid in rids for _ in range(nb)]  # rows of the [N * nb] batch
         scratch = None
         draws = _Draws(len(row_rids))
+        t0 = time.perf_counter()
         for step in range(self.K):
             if self._abort.is_set():
+                self._note_branch_cost(t0, step, n * nb)
                 return None
             mask = torch.cat([ctx_mask] + [eye] * (step + 1), dim=2)[:, None].to(self.device)
             hidden, new_kv = self.model.forward(cur.to(self.device), pos.to(self.device), mask,
@@ -512,8 +510,15 @@ class DraftWorker:
                 scratch = new_kv if scratch is None else [
                     (torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2))
                     for (sk, sv), (k, v) in zip(scratch, new_kv)]
+        self._note_branch_cost(t0, self.K, n * nb)
         specs = draws.speculations()
         return [specs[i * nb: i * nb + len(roots[i])] for i in range(n)]
+
+    def _note_branch_cost(self, t0: float, steps: int, rows: int) -> None:
+        """Seconds per branch row of a K-step tree decode, for fit_to_round; a decode cut
+        short counts too, else a budget too big to ever finish would never be measured."""
+        if steps:
+            self.t_branch.add((time.perf_counter() - t0) * self.K / (steps * rows))
 
 
 def make_ray_worker(config: dict, target_vocab_size: int):
