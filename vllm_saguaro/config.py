@@ -43,9 +43,10 @@ class FanoutConfig(BaseModel):
         True, description="geometric: refit a_p from the verified outcomes as decoding goes "
         "(acceptance_rate is then the prior)")
     fit_to_round: bool = Field(
-        False, description="geometric: shrink the per-sequence budget (budget is then the "
+        True, description="geometric: shrink the per-sequence budget (budget is then the "
         "maximum) so that the whole batch's tree decode fits in the target's verification "
-        "time, both measured as decoding goes")
+        "time, both measured as decoding goes; faster in 10 of 12 measured cells, batches "
+        "1-16 (benchmarks/results/fit_to_round)")
 
 
 class SaguaroConfig(BaseModel):

@@ -62,12 +62,12 @@ def test_overrides_reach_a_valid_plugin_config(tiny_draft):
 
     d = str(tiny_draft)
     args = parse_args(["--quick", "--draft", d, "--saguaro-c", "0.25",
-                       "--draft-sampling", "greedy", "--fallback", "neural", "--fit-to-round", "on"])
+                       "--draft-sampling", "greedy", "--fallback", "neural", "--fit-to-round", "off"])
     s = apply_overrides(settings_for("quick"), args)
     cfg = load_config(System("ssd", 3, budget=4).spec(d, s))
     assert (cfg.saguaro_c, cfg.draft_sampling, cfg.fallback) == (0.25, "greedy", "neural")
-    assert cfg.fanout.fit_to_round and cfg.fanout.budget == 4
+    assert not cfg.fanout.fit_to_round and cfg.fanout.budget == 4
     plain = apply_overrides(settings_for("quick"), parse_args(["--draft", d]))
     sync = load_config(System("sync_sd", 3).spec(d, plain))
     assert sync.fallback == "auto"  # no --fallback: the plugin's default
-    assert not load_config(System("ssd", 3).spec(d, plain)).fanout.fit_to_round
+    assert load_config(System("ssd", 3).spec(d, plain)).fanout.fit_to_round  # the default: on

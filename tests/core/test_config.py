@@ -15,7 +15,7 @@ def draft(tmp_path):
 def test_defaults_and_alias(draft):
     cfg = load_config({"method": "saguaro", "draft_model": str(draft), "async": False})
     assert cfg.async_ is False and cfg.num_speculative_tokens == 4
-    assert cfg.fanout.policy == "geometric" and cfg.saguaro_c == 0.5
+    assert cfg.fanout.policy == "geometric" and cfg.fanout.fit_to_round and cfg.saguaro_c == 0.5
     assert cfg.to_json_dict()["async"] is False
 
 

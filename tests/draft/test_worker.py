@@ -189,7 +189,7 @@ def test_geometric_fanout_follows_the_fitted_acceptance(tiny_target):
     outcome; with fit_acceptance off the prior's allocation stays."""
     def run(fit: bool):
         w = worker(tiny_target, fanout={"policy": "geometric", "budget": 8, "acceptance_rate": 0.3,
-                                        "fit_acceptance": fit})
+                                        "fit_acceptance": fit, "fit_to_round": False})
         start = list(w.fanout)
         (spec, _, _), = step(w, [("a", None, [5, 17, 99, 3, 250, 7], None)], [])
         for _ in range(12):
