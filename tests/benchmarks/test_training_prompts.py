@@ -54,3 +54,19 @@ def test_self_instruct_keeps_new_requests_and_drops_eval_text():
         "Explain how a kite flies", "Describe a walk through a rainy forest", "What is a prime number"]
     assert all(p["chat"] and p["kind"].startswith("self_") and p["kind"][5:] in SEEDS for p in reqs)
     assert llm.asked and all(a.rstrip().endswith("4.") and "requests that people sent" in a for a in llm.asked)
+
+
+def test_text_requests_carry_a_text_and_drop_eval_text():
+    from benchmarks.reference_pair.self_instruct import eval_shingles
+    from benchmarks.reference_pair.text_requests import MANY_TEXTS, ONE_TEXT, text_requests
+
+    texts = [f"Passage {i} talks about topic number {i}. It has a second sentence. And a third one." for i in range(20)]
+    leak = mt_bench_questions()[52]
+    reqs = text_requests(texts + [leak], 300, seed=0, banned=eval_shingles())
+    assert len(reqs) == 300 and all(p["chat"] and p["kind"] == "text_extraction" for p in reqs)
+    assert not any(leak[:60] in p["text"] for p in reqs)  # the evaluation text never gets through
+    one = [p for p in reqs if any(i in p["text"] for i in ONE_TEXT)]
+    many = [p for p in reqs if any(i in p["text"] for i in MANY_TEXTS)]
+    assert len(one) + len(many) == 300 and one and many
+    assert all(any(t in p["text"] for t in texts) for p in one)  # the whole passage is in the request
+    assert all(p["text"].count("Passage ") >= 2 for p in many)  # a numbered set of at least two
