@@ -42,7 +42,9 @@ ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s")
-DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "fast_seqs", "branches")
+DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "fast_seqs", "fast_rounds",
+                "branches", "hit_outcomes", "hit_tokens", "neural_outcomes", "neural_tokens",
+                "fast_outcomes", "fast_tokens")
 NOT_LOSSLESS = "not lossless on unpatched vllm-cpu 0.32 (plugin patch active here)"
 
 # The paper's GPU setting for --project: Llama-3.1-70B on 4xH100 (TP4) verifies at the
@@ -304,6 +306,17 @@ def summarize(rec: dict) -> None:
         rec["fast_rate"] = c.get("draft.fast_seqs", 0) / c["plugin.seqs"] if c["plugin.seqs"] else None
     else:
         rec["hit_rate"] = rec["fallback_rate"] = rec["wait_ms_per_round"] = rec["draft_wait_s"] = rec["fast_rate"] = None
+    rec["accept_len_hit"], rec["accept_len_miss"] = accept_len_by_source(c)
+
+
+def accept_len_by_source(c: dict) -> tuple[float | None, float | None]:
+    """(E_hit, E_miss): tokens per verified speculation drafted by the cache / by a backup
+    (neural or fast), from the draft worker's counters; None where there were none."""
+    def mean(*srcs: str) -> float | None:
+        n = sum(c.get(f"draft.{s}_outcomes", 0) for s in srcs)
+        return sum(c.get(f"draft.{s}_tokens", 0) for s in srcs) / n if n else None
+
+    return mean("hit"), mean("neural", "fast")
 
 
 def acceptance_rate(e: float, k: int) -> float:
@@ -331,10 +344,14 @@ def plugin_latencies(rec: dict) -> dict | None:
     round_s = sum(rec["spans_s"]) / decode_rounds
     wait = (c["plugin.wait_prespec_s"] + c["plugin.wait_step_s"]) / rounds
     fb_rounds = c.get("draft.fallback_rounds", 0)
+    # rounds with a miss: the neural backup's, and those the fast backup alone drafted
+    # (nearly free); older results lack the second count
+    miss_rounds = fb_rounds + c.get("draft.fast_rounds", 0)
     return {"round_s": round_s, "verify_s": round_s - wait,
             "draft_sync_s": c["plugin.wait_step_s"] / rounds,
             "prespec_s": c.get("draft.prespec_s", 0.0) / rounds,
-            "fallback_s": c["draft.fallback_s"] / fb_rounds if fb_rounds else None}
+            "fallback_s": c["draft.fallback_s"] / fb_rounds if fb_rounds else None,
+            "backup_s": c["draft.fallback_s"] / miss_rounds if miss_rounds else None}
 
 
 def impl_round_time(p_hit: float, t_p: float, t_b: float, batch: int) -> float:
@@ -348,9 +365,12 @@ def add_theory(records: list[dict]) -> None:
     """Measured speedup, the theory's prediction from the run's own figures, and the limit.
 
     speedup = t1 / TPOT, t1 = the target alone's step time (AR on one core, same group).
-    SD:  sd_speedup(E, T_draft / V) * t1 / V;  SSD: ssd_speedup(p_hit, E, E, T_p/V, T_b/V, b)
-    * t1 / V (neural fallback = the same draft, so E_hit = E_miss = E). The factor t1 / V
-    converts 'rounds per verify' into 'per 1-token step'. limit = E * t1 / V.
+    SD:  sd_speedup(E, T_draft / V) * t1 / V;  SSD: ssd_speedup(p_hit, E_hit, E_miss, T_p/V,
+    T_b/V, b) * t1 / V, with E_hit / E_miss the tokens per speculation drafted by the cache /
+    by a backup, and T_b the backup's time per round with a miss (the fast backup's rounds
+    count as nearly free). Results from before the worker counted these fall back to
+    E_hit = E_miss = E and the neural backup's time. The factor t1 / V converts 'rounds per
+    verify' into 'per 1-token step'. limit = E * t1 / V.
     """
     from vllm_saguaro.core.theory import sd_speedup, ssd_speedup
 
@@ -371,7 +391,7 @@ def add_theory(records: list[dict]) -> None:
         r["predicted"] = r["predicted_impl"] = r["limit"] = r["measured_over_limit"] = None
         r["latencies"] = None
         r["note"] = NOT_LOSSLESS if r["kind"] == "vllm_sd" and r["temperature"] > 0 else ""
-        if r.get("fast_rate"):
+        if r.get("fast_rate") and r.get("accept_len_miss") is None:
             r["note"] = (f"{r['fast_rate']:.0%} of rounds drafted by prompt lookup; the "
                          "prediction assumes the neural backup")
         e = r.get("accept_len")
@@ -387,10 +407,16 @@ def add_theory(records: list[dict]) -> None:
         r["latencies"] = {**lat, "t1_s": t1, "source": "own run" if own else "sync-SD run (proxy)"}
         if r["kind"] == "ssd":
             p = r["hit_rate"] or 0.0
-            t_b = lat["fallback_s"] if lat["fallback_s"] is not None else lat["draft_sync_s"]
+            by_source = r.get("accept_len_miss") is not None
+            e_hit = (r.get("accept_len_hit") or e) if by_source else e
+            e_miss = r["accept_len_miss"] if by_source else e
+            t_b = lat.get("backup_s") if by_source else lat["fallback_s"]
+            if t_b is None:
+                t_b = lat["draft_sync_s"]
             t_p = lat["prespec_s"] / v
-            theory = ssd_speedup(p, e, e, t_p, t_b / v, r["batch"])
-            r["predicted_impl"] = e / impl_round_time(p, t_p, t_b / v, r["batch"]) * t1 / v
+            theory = ssd_speedup(p, e_hit, e_miss, t_p, t_b / v, r["batch"])
+            tokens = p * e_hit + (1.0 - p) * e_miss
+            r["predicted_impl"] = tokens / impl_round_time(p, t_p, t_b / v, r["batch"]) * t1 / v
         else:
             theory = sd_speedup(e, lat["draft_sync_s"] / v)
         r["predicted"] = theory * t1 / v
@@ -441,14 +467,15 @@ def markdown(result: dict) -> str:
              f"both cores. Speedup is against AR on one core; 'vs best 2c' against the best "
              f"system allowed both cores.", "",
              "| dataset | T | b | system | tok/s/seq | tok/s total | TPOT ms | accept len "
-             "| hit rate | fallback rate | wait ms/round | speedup | vs best 2c | predicted "
-             "| pred (impl) | limit | meas/limit | note |",
-             "|" + "---|" * 18]
+             "| accept hit / miss | hit rate | fallback rate | wait ms/round | speedup | vs best 2c "
+             "| predicted | pred (impl) | limit | meas/limit | note |",
+             "|" + "---|" * 19]
     for r in result["records"]:
         lines.append(
             f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {r['system']} "
             f"| {_f(r['tok_s_seq'], '.1f')} | {_f(r['tok_s_total'], '.1f')} "
-            f"| {_f(r['tpot_ms'], '.1f')} | {_f(r['accept_len'])} | {_f(r['hit_rate'])} "
+            f"| {_f(r['tpot_ms'], '.1f')} | {_f(r['accept_len'])} "
+            f"| {_f(r.get('accept_len_hit'))} / {_f(r.get('accept_len_miss'))} | {_f(r['hit_rate'])} "
             f"| {_f(r['fallback_rate'])} | {_f(r['wait_ms_per_round'], '.1f')} "
             f"| {_f(r['speedup'])} | {_f(r['speedup_vs_best_2c'])} | {_f(r['predicted'])} "
             f"| {_f(r.get('predicted_impl'))} | {_f(r['limit'])} | {_f(r['measured_over_limit'])} | {r['note']} |")

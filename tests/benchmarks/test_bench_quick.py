@@ -71,3 +71,43 @@ def test_overrides_reach_a_valid_plugin_config(tiny_draft):
     sync = load_config(System("sync_sd", 3).spec(d, plain))
     assert sync.fallback == "auto"  # no --fallback: the plugin's default
     assert load_config(System("ssd", 3).spec(d, plain)).fanout.fit_to_round  # the default: on
+
+
+def test_theory_uses_each_sources_acceptance_and_the_backup_actually_used():
+    """SSD's prediction takes E_hit / E_miss from the worker's outcomes by source and
+    charges a miss round the backup's mean time, fast (prompt lookup) rounds included;
+    a result without those counters keeps the old, neural-only model and says so."""
+    from benchmarks.run import add_theory, summarize
+
+    group = {"dataset": "d", "temperature": 0.0, "batch": 1, "max_tokens": 9, "n_chunks": 0}
+    ar = {**group, "system": "AR", "kind": "ar", "k": 0, "cores": 1, "per_token_s": [0.1],
+          "spans_s": [0.8], "counters": {"vllm:spec_decode_num_accepted_tokens": 0}}
+    c = {"vllm:spec_decode_num_drafts": 100, "vllm:spec_decode_num_accepted_tokens": 100,
+         "plugin.rounds": 100, "plugin.seqs": 100, "plugin.lookups": 100, "plugin.hits": 50,
+         "plugin.fallbacks": 50, "plugin.wait_prespec_s": 0.0, "plugin.wait_step_s": 1.0,
+         "draft.prespec_s": 5.0, "draft.fallback_s": 2.0, "draft.fallback_rounds": 20,
+         "draft.fast_seqs": 30, "draft.fast_rounds": 30,
+         "draft.hit_outcomes": 50, "draft.hit_tokens": 125,        # E_hit 2.5
+         "draft.neural_outcomes": 20, "draft.neural_tokens": 40,   # E_miss (40 + 45) / 50 = 1.7
+         "draft.fast_outcomes": 30, "draft.fast_tokens": 45}
+    ssd = {**group, "system": "SSD-K3", "kind": "ssd", "k": 3, "cores": 2, "per_token_s": [0.08],
+           "spans_s": [12.0], "counters": c}
+    new_counters = {k for k in c if k.startswith("draft.") and k.endswith(("_outcomes", "_tokens", "_rounds"))
+                    and k != "draft.fallback_rounds"}
+    old = {**ssd, "counters": {k: v for k, v in c.items() if k not in new_counters}}
+    recs = [ar, ssd]
+    for r in recs:
+        summarize(r)
+    add_theory(recs)
+    assert (ssd["accept_len_hit"], ssd["accept_len_miss"]) == (2.5, 1.7)
+    # V = 12 s / 100 rounds - 0.01 s wait = 0.11 s; t1 = 0.1 s; T_p = 0.05 / 0.11 of a verify;
+    # backup 2 s over 50 miss rounds = 0.04 s. Tokens 0.5*2.5 + 0.5*1.7 = 2.1; time
+    # 0.5*1 + 0.5*(1 + 0.04/0.11) = 1.1818 verifies -> 2.1 / 1.1818 * 0.1 / 0.11 = 1.615.
+    assert abs(ssd["predicted"] - 1.615) < 1e-3 and not ssd["note"]
+    recs = [ar, old]
+    summarize(old)
+    add_theory(recs)
+    # E = 2.0 for both, neural backup 2 s / 20 rounds = 0.1 s: time 0.5 + 0.5*(1 + 0.1/0.11)
+    # = 1.4545 -> 2.0 / 1.4545 * 0.1 / 0.11 = 1.25
+    assert old["accept_len_miss"] is None and abs(old["predicted"] - 1.25) < 1e-3
+    assert "assumes the neural backup" in old["note"]

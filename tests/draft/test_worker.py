@@ -85,6 +85,9 @@ def test_hits_misses_and_rollback(tiny_target, hf):
     assert not hit2
     assert nxt2 == hf_greedy(hf, tokens + [miss_bonus], 3)
     assert w.stats.lookups == 2 and w.stats.hits == 1
+    # outcomes by who drafted the speculation: the first draft (neural), then the cached one
+    s = w.stats
+    assert (s.neural_outcomes, s.neural_tokens, s.hit_outcomes, s.hit_tokens) == (1, len(sampled), 1, 1)
 
 
 def test_force_cache_miss_and_finish(tiny_target):
@@ -222,6 +225,9 @@ def test_fast_backup_drafts_by_prompt_lookup_and_the_next_round_goes_on(tiny_tar
     (k, b), branch = next(iter(w.seqs["a"].cache.entries.items()))
     (nxt2, hit2, _), = step(w, [("a", nxt[:k] + [b], None, None)], [])
     assert hit2 and nxt2 == branch.tokens == hf_greedy(hf, p + [bonus] + nxt[:k] + [b], 3)
+    s = w.stats
+    assert (s.neural_outcomes, s.neural_tokens, s.fast_outcomes, s.fast_tokens) == (1, 1, 1, k + 1)
+    assert s.fast_rounds == 1 and s.fallback_rounds == 1  # the new sequence's draft was neural
 
 
 def test_fit_to_round_sizes_the_budget_from_measured_times(tiny_target):

@@ -50,7 +50,7 @@ class SeqState:
     spec: list[int] | None = None           # speculation sent, awaiting its outcome
     cache: SpeculationCache | None = None   # outcomes pre-speculated for that speculation
     roots: frozenset | None = None          # the outcomes being pre-speculated (after fork)
-    fast: bool = False                      # spec came from the fast backup (prompt lookup)
+    source: str = "neural"                  # who drafted spec: "hit" (the cache), "neural", "fast"
 
 
 @dataclass
@@ -68,6 +68,19 @@ class DraftStats:
     lock_wait_s: float = 0.0      # time step() waited for the pre-speculation in flight
     acceptance_rate: float = 0.0  # the fitted a_p the geometric fan-out now uses
     budget: int = 0               # the geometric budget per sequence now in use
+    fast_rounds: int = 0          # rounds whose misses the fast backup alone drafted
+    # Verified outcomes and the tokens they gave (accepted + bonus), by who drafted the
+    # speculation: the theory's E_hit and E_miss, and the fast backup's own acceptance.
+    hit_outcomes: int = 0
+    hit_tokens: int = 0
+    neural_outcomes: int = 0
+    neural_tokens: int = 0
+    fast_outcomes: int = 0
+    fast_tokens: int = 0
+
+    def note_outcome(self, source: str, tokens: int) -> None:
+        setattr(self, f"{source}_outcomes", getattr(self, f"{source}_outcomes") + 1)
+        setattr(self, f"{source}_tokens", getattr(self, f"{source}_tokens") + tokens)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -221,12 +234,13 @@ class DraftWorker:
             assert sampled and st.spec is not None and is_consistent(sampled, st.spec), (
                 f"outcome {sampled} of {rid!r} does not extend speculation {st.spec}")
             st.tokens.extend(sampled)
-            if st.fast:
+            self.stats.note_outcome(st.source, len(sampled))
+            if st.source == "fast":
                 self.tokens_fast.add(len(sampled))
             else:
                 self.tokens_neural.add(len(sampled))
                 self.acceptance.observe(len(sampled) - 1, len(st.spec))
-            st.fast = False
+            st.source = "neural"
             cache, st.cache, st.spec, st.roots = st.cache, None, None, None
             if not self.cfg.async_:
                 misses.append(i)
@@ -240,7 +254,7 @@ class DraftWorker:
                 misses.append(i)
             else:
                 self.stats.hits += 1
-                st.spec = hit.tokens
+                st.spec, st.source = hit.tokens, "hit"
                 results[i] = (hit.tokens, True, self._full_q(hit.probs))
         f = self.cfg.fanout
         if f.policy == "geometric" and (f.fit_acceptance or f.fit_to_round):
@@ -249,10 +263,11 @@ class DraftWorker:
         fast = self._fast_backup_rows(updates, misses, looked_up)
         for i in fast:  # deterministic drafts: verified with a one-hot q (None)
             st = self.seqs[updates[i][0]]
-            st.spec, st.fast = ngram_draft(st.tokens, self.K), True
+            st.spec, st.source = ngram_draft(st.tokens, self.K), "fast"
             results[i] = (st.spec, False, None)
         self.stats.fast_seqs += len(fast)
         misses = [i for i in misses if i not in fast]
+        self.stats.fast_rounds += bool(fast) and not misses
         if misses:
             t0 = time.perf_counter()
             rids = [updates[i][0] for i in misses]
@@ -309,7 +324,7 @@ class DraftWorker:
         self.stats.syncs += 1
         st = self.seqs.get(rid) or SeqState(tokens=[])
         st.tokens, st.spec, st.cache, st.sampling = list(tokens), None, None, sampling
-        st.fast = False
+        st.source = "neural"
         self.seqs[rid] = st
         self._keep_kv(rid, tokens)
 
