@@ -56,18 +56,18 @@ MANY_TEXTS = [
 
 def passages(data_dirs: list[str], target: str, min_chars: int = 160, max_chars: int = 700) -> list[str]:
     """The target's answers in these data directories, cut at the last full sentence."""
-    import torch
     from transformers import AutoTokenizer
+
+    from benchmarks.reference_pair.distill import load_shards
 
     tok = AutoTokenizer.from_pretrained(target)
     out = []
     for d in data_dirs:
-        for p in sorted(Path(d).glob("shard_*.pt")):
-            for g in torch.load(p)["gen_ids"]:
-                text = tok.decode(g.tolist(), skip_special_tokens=True).strip()[:max_chars]
-                cut = max(text.rfind(". "), text.rfind(".\n"), text.rfind(".") if text.endswith(".") else -1)
-                if cut + 1 >= min_chars:
-                    out.append(text[: cut + 1])
+        for seq in load_shards(d):
+            text = tok.decode(seq["gen_ids"].tolist(), skip_special_tokens=True).strip()[:max_chars]
+            cut = max(text.rfind(". "), text.rfind(".\n"), text.rfind(".") if text.endswith(".") else -1)
+            if cut + 1 >= min_chars:
+                out.append(text[: cut + 1])
     return out
 
 
