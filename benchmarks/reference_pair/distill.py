@@ -7,7 +7,7 @@ Usage (heavy: one core):
 Draft: a standard LlamaForCausalLM with the target's config but few layers (initialised from
 the target's layers), the target's embedding matrix (frozen, tied head, full 49152 vocab)
 and a trained final norm. Only layers + norm are trained and exported
-(draft_delta.safetensors + draft_config.json, bf16), so the committed artifact stays small.
+(draft_delta.safetensors[.xz] + draft_config.json, bf16), so the committed artifact stays small.
 
 Loss: KL(target || draft) with the draft's softmax over the full vocabulary and the target
 distribution given by vLLM's top-k logprobs plus one "rest" bucket (all other tokens):
@@ -92,15 +92,37 @@ def make_draft(target, layer_ids: list[int]):
     return draft
 
 
-def init_from(draft, init_dir: Path) -> None:
-    """Load an exported delta (layers + final norm) into a draft of the same shape."""
-    from safetensors.torch import load_file
+def init_from(draft, init_dir: Path, new_layers: tuple[int, ...] = ()) -> None:
+    """Load an exported delta (layers + final norm) into a draft of the same shape.
 
-    delta = load_file(str(init_dir / "draft_delta.safetensors"))
-    missing, unexpected = draft.load_state_dict({k: v.float() for k, v in delta.items()}, strict=False)
-    missing = [k for k in missing if k not in ("lm_head.weight", "model.embed_tokens.weight")]
+    new_layers grows the draft without changing what it computes: those draft layers keep
+    their target-layer copy but with zeroed output projections (o_proj, down_proj), so each
+    starts as the identity on the residual stream, and the delta's layers fill the others
+    in order. Training then starts from the smaller draft's predictions, not from scratch.
+    """
+    from benchmarks.reference_pair.build import load_delta
+
+    delta = load_delta(init_dir)
+    old = [j for j in range(len(draft.model.layers)) if j not in set(new_layers)]
+    n_old = len({k.split(".")[2] for k in delta if k.startswith("model.layers.")})
+    if n_old != len(old):
+        raise ValueError(f"{init_dir} does not fit --layers/--grow: it has {n_old} layers, "
+                         f"the draft keeps {len(old)} of {len(draft.model.layers)}")
+    renamed = {}
+    for k, v in delta.items():
+        if k.startswith("model.layers."):
+            _, _, j, rest = k.split(".", 3)
+            k = f"model.layers.{old[int(j)]}.{rest}"
+        renamed[k] = v.float()
+    missing, unexpected = draft.load_state_dict(renamed, strict=False)
+    missing = [k for k in missing if k not in ("lm_head.weight", "model.embed_tokens.weight")
+               and not any(k.startswith(f"model.layers.{j}.") for j in new_layers)]
     if missing or unexpected:
         raise ValueError(f"{init_dir} does not fit --layers: missing {missing[:2]}, unexpected {unexpected[:2]}")
+    with torch.no_grad():
+        for j in new_layers:
+            draft.model.layers[j].self_attn.o_proj.weight.zero_()
+            draft.model.layers[j].mlp.down_proj.weight.zero_()
 
 
 def batches(seqs: list[dict], tokens_per_batch: int, max_prompt: int, rng: random.Random):
@@ -205,14 +227,22 @@ def frequency_order(seqs: list[dict], vocab: int) -> list[int]:
     return torch.argsort(counts, descending=True, stable=True).tolist()
 
 
-def export(draft, out_dir: Path, order: list[int] | None = None) -> None:
-    """Write only what differs from the target: decoder layers + final norm, bf16."""
-    from safetensors.torch import save_file
+def export(draft, out_dir: Path, order: list[int] | None = None, compress: bool = False) -> None:
+    """Write only what differs from the target: decoder layers + final norm, bf16 (xz-packed if compress)."""
+    import lzma
+
+    from safetensors.torch import save
+
+    from benchmarks.reference_pair.build import DELTA_NAME
 
     out_dir.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
           if k.startswith("model.layers.") or k == "model.norm.weight"}
-    save_file(sd, str(out_dir / "draft_delta.safetensors"), metadata={"format": "pt"})
+    data = save(sd, metadata={"format": "pt"})
+    plain, packed = out_dir / DELTA_NAME, out_dir / (DELTA_NAME + ".xz")
+    keep, drop = (packed, plain) if compress else (plain, packed)
+    keep.write_bytes(lzma.compress(data) if compress else data)
+    drop.unlink(missing_ok=True)  # never two deltas side by side
     cfg = draft.config.to_dict()
     cfg["dtype"] = "bfloat16"
     cfg.pop("_name_or_path", None)
@@ -246,6 +276,8 @@ def main() -> None:
                     help="train with the draft's head cut to the N most frequent tokens (0: full vocabulary)")
     ap.add_argument("--init", help="continue from a draft directory (draft_delta.safetensors, and its "
                     "token_frequencies.json for the head) instead of copying target layers")
+    ap.add_argument("--grow", default="", help="with --init: draft layer positions that are new (the "
+                    "--layers target layer there, output projections zeroed), e.g. --layers 0,1,2,3,27,28,29 --grow 3")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -267,8 +299,10 @@ def main() -> None:
     pad_id = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else 2
     draft = make_draft(target, [int(x) for x in args.layers.split(",")])
     del target
+    if args.grow and not args.init:
+        ap.error("--grow needs --init (the smaller draft to grow)")
     if args.init:
-        init_from(draft, Path(args.init))
+        init_from(draft, Path(args.init), tuple(int(x) for x in args.grow.split(",") if x))
     seqs = []
     for d in args.data:
         seqs += load_shards(d)
@@ -353,7 +387,7 @@ def main() -> None:
         kl_f, ag_f = evaluate(None)
         say(f"  same draft, full-vocabulary head: heldout KL {kl_f:.3f} agreement {ag_f:.3f}")
     export(draft, work / "latest", order)
-    export(draft, Path(args.export_dir), order)
+    export(draft, Path(args.export_dir), order, compress=True)
     say(f"exported to {args.export_dir}")
 
 

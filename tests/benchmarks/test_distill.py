@@ -67,11 +67,15 @@ def test_cut_head_loss_is_finite_and_predicts_inside_it(draft):
     assert draft.model.layers[0].mlp.up_proj.weight.grad is not None
 
 
-def test_init_from_an_export_continues_the_same_weights(draft, tmp_path):
+@pytest.mark.parametrize("compress", [False, True])
+def test_init_from_an_export_continues_the_same_weights(draft, tmp_path, compress):
     """--init: a second round of training starts from the exported draft, not from target layers."""
     from transformers import LlamaForCausalLM
 
-    export(draft, tmp_path, order=list(range(VOCAB)))
+    export(draft, tmp_path, order=list(range(VOCAB)), compress=not compress)
+    export(draft, tmp_path, order=list(range(VOCAB)), compress=compress)  # replaces the other form
+    assert sorted(p.name for p in tmp_path.glob("draft_delta*")) == (
+        ["draft_delta.safetensors.xz"] if compress else ["draft_delta.safetensors"])
     fresh = LlamaForCausalLM(draft.config).eval()
     fresh.model.embed_tokens.weight.data.copy_(draft.model.embed_tokens.weight)  # the build's job
     init_from(fresh, tmp_path)
@@ -82,3 +86,26 @@ def test_init_from_an_export_continues_the_same_weights(draft, tmp_path):
     other = LlamaForCausalLM(draft.config.__class__(**{**draft.config.to_dict(), "num_hidden_layers": 2}))
     with pytest.raises(ValueError, match="does not fit"):
         init_from(other, tmp_path)
+
+
+@pytest.mark.parametrize("position", [0, 1])
+def test_grow_inserts_a_layer_that_changes_nothing_yet(draft, tmp_path, position):
+    """--grow: a deeper draft starts from the smaller one's predictions, and the new layer trains."""
+    from transformers import LlamaForCausalLM
+
+    export(draft, tmp_path, order=list(range(VOCAB)))
+    deeper = LlamaForCausalLM(draft.config.__class__(**{**draft.config.to_dict(), "num_hidden_layers": 2})).eval()
+    deeper.model.embed_tokens.weight.data.copy_(draft.model.embed_tokens.weight)
+    init_from(deeper, tmp_path, new_layers=(position,))
+    same = LlamaForCausalLM(draft.config).eval()  # the smaller draft as exported (bf16-rounded)
+    same.model.embed_tokens.weight.data.copy_(draft.model.embed_tokens.weight)
+    init_from(same, tmp_path)
+    ids = torch.randint(0, VOCAB, (2, 9))
+    with torch.no_grad():
+        assert torch.allclose(deeper(ids).logits, same(ids).logits, atol=1e-6)
+    kl, _, _, _ = forward_loss(deeper, sequences(), 384, 0, 0.0)
+    kl.backward()
+    new = deeper.model.layers[position]
+    assert new.mlp.down_proj.weight.grad.abs().sum() > 0 and new.self_attn.o_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="does not fit"):  # two new layers leave no place for the delta's one
+        init_from(deeper, tmp_path, new_layers=(0, 1))
