@@ -93,7 +93,7 @@ def make_draft(target, layer_ids: list[int]):
 
 
 def init_from(draft, init_dir: Path, new_layers: tuple[int, ...] = ()) -> None:
-    """Load an exported delta (layers + final norm) into a draft of the same shape.
+    """Load an exported delta (layers + final norm) into the draft.
 
     new_layers grows the draft without changing what it computes: those draft layers keep
     their target-layer copy but with zeroed output projections (o_proj, down_proj), so each
@@ -281,6 +281,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
+    if args.grow and not args.init:
+        ap.error("--grow needs --init (the smaller draft to grow)")
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -299,8 +301,6 @@ def main() -> None:
     pad_id = target.config.eos_token_id if isinstance(target.config.eos_token_id, int) else 2
     draft = make_draft(target, [int(x) for x in args.layers.split(",")])
     del target
-    if args.grow and not args.init:
-        ap.error("--grow needs --init (the smaller draft to grow)")
     if args.init:
         init_from(draft, Path(args.init), tuple(int(x) for x in args.grow.split(",") if x))
     seqs = []
