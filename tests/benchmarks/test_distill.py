@@ -76,6 +76,11 @@ def test_init_from_an_export_continues_the_same_weights(draft, tmp_path, compres
     export(draft, tmp_path, order=list(range(VOCAB)), compress=compress)  # replaces the other form
     assert sorted(p.name for p in tmp_path.glob("draft_delta*")) == (
         ["draft_delta.safetensors.xz"] if compress else ["draft_delta.safetensors"])
+    stale = tmp_path / ("draft_delta.safetensors" if compress else "draft_delta.safetensors.xz")
+    stale.write_bytes(b"old")
+    with pytest.raises(FileExistsError, match="remove the stale one"):  # never guess which one is meant
+        init_from(LlamaForCausalLM(draft.config), tmp_path)
+    stale.unlink()
     fresh = LlamaForCausalLM(draft.config).eval()
     fresh.model.embed_tokens.weight.data.copy_(draft.model.embed_tokens.weight)  # the build's job
     init_from(fresh, tmp_path)
@@ -109,3 +114,15 @@ def test_grow_inserts_a_layer_that_changes_nothing_yet(draft, tmp_path, position
     assert new.mlp.down_proj.weight.grad.abs().sum() > 0 and new.self_attn.o_proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="does not fit"):  # two new layers leave no place for the delta's one
         init_from(deeper, tmp_path, new_layers=(0, 1))
+
+
+def test_the_committed_delta_stays_small_and_loads():
+    """The issue's bound for what a fresh clone carries: well under 50 MB."""
+    import json
+
+    from benchmarks.reference_pair.build import DELTA_FILE, DRAFT_CONFIG_FILE, HERE, load_delta
+
+    assert DELTA_FILE.stat().st_size < 40e6
+    layers = json.loads(DRAFT_CONFIG_FILE.read_text())["num_hidden_layers"]
+    keys = load_delta(HERE).keys()
+    assert {k.split(".")[2] for k in keys if k.startswith("model.layers.")} == {str(i) for i in range(layers)}
