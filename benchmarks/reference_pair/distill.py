@@ -233,13 +233,13 @@ def export(draft, out_dir: Path, order: list[int] | None = None, compress: bool 
 
     from safetensors.torch import save
 
-    from benchmarks.reference_pair.build import DELTA_NAME
+    from benchmarks.reference_pair.build import DELTA_NAME, PACKED_DELTA_NAME
 
     out_dir.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
           if k.startswith("model.layers.") or k == "model.norm.weight"}
     data = save(sd, metadata={"format": "pt"})
-    plain, packed = out_dir / DELTA_NAME, out_dir / (DELTA_NAME + ".xz")
+    plain, packed = out_dir / DELTA_NAME, out_dir / PACKED_DELTA_NAME
     keep, drop = (packed, plain) if compress else (plain, packed)
     keep.write_bytes(lzma.compress(data) if compress else data)
     drop.unlink(missing_ok=True)  # never two deltas side by side
