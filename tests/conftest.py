@@ -6,6 +6,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _restore_cpu_affinity():
+    """Give each test module the process's CPU set back after it ran.
+
+    In-process engines bind the pytest process to the target's core(s) (vLLM's CPU worker,
+    and the plugin keeping the target off the draft's core). Without this, a later module's
+    subprocess inherits one core: the benchmark then refuses to run ("needs 2 cores").
+    """
+    cores = os.sched_getaffinity(0)
+    yield
+    if os.sched_getaffinity(0) != cores:
+        os.sched_setaffinity(0, cores)
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     from tests.tiny_models import make_tiny_llama
