@@ -105,10 +105,29 @@ def eval_shingles() -> set[tuple[str, ...]]:
     return out
 
 
+def parse_weights(spec: str | None) -> dict[str, float] | None:
+    """'writing=2,math=0.5' -> a weight per category (unnamed ones weigh 1); None: uniform."""
+    if not spec:
+        return None
+    w = dict.fromkeys(SEEDS, 1.0)
+    for part in spec.split(","):
+        name, sep, val = part.partition("=")
+        name = name.strip()
+        if not sep or name not in SEEDS:
+            raise ValueError(f"bad category weight {part!r}: want NAME=WEIGHT, NAME one of {', '.join(SEEDS)}")
+        w[name] = float(val)
+        if not w[name] >= 0:
+            raise ValueError(f"weight of {name} must be >= 0, got {val}")
+    if sum(w.values()) <= 0:
+        raise ValueError("category weights are all zero")
+    return w
+
+
 def generate_requests(llm, n: int, seed: int = 0, rounds: int = 3, temperature: float = 0.9,
-                      say=print) -> list[dict]:
+                      say=print, weights: dict[str, float] | None = None) -> list[dict]:
     """n requests as prompt dicts (prompts.py's format), written by the target in `rounds`
-    rounds; from the second round on, one example of each list is an earlier generated one."""
+    rounds; from the second round on, one example of each list is an earlier generated one.
+    `weights` tilts the mix of categories toward the ones the draft agrees on least."""
     from vllm import SamplingParams
 
     from benchmarks.reference_pair.prompts import CONSTRAINTS, FOLLOW_UPS, TOPICS
@@ -123,7 +142,8 @@ def generate_requests(llm, n: int, seed: int = 0, rounds: int = 3, temperature: 
         want = (n - len(out)) // (rounds - rnd)
         asks = []
         for _ in range(int(want * 1.6) + 8):  # some are rejected
-            c = r.choice(list(SEEDS))
+            # (uniform draws keep r.choice: the documented earlier rounds reproduce)
+            c = r.choices(list(SEEDS), [weights[k] for k in SEEDS])[0] if weights else r.choice(list(SEEDS))
             # (in the first round the third seed may repeat one of the two: kept as it is, so
             # that the documented third-round data reproduces)
             ex = r.sample(SEEDS[c], 2) + ([r.choice(pool[c])] if pool[c] else r.sample(SEEDS[c], 1))
@@ -154,14 +174,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--temperature", type=float, default=0.9)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--weights", help="category weights, e.g. writing=2,math=0.5 (others 1; default uniform)")
     args = ap.parse_args()
+    try:
+        weights = parse_weights(args.weights)
+    except ValueError as e:
+        ap.error(str(e))
 
     from vllm import LLM
 
     t0 = time.time()
     llm = LLM(model=args.target, dtype=args.dtype, enforce_eager=True, max_model_len=512, max_num_seqs=256, seed=args.seed)
     reqs = generate_requests(llm, args.n, args.seed, args.rounds, args.temperature,
-                             say=lambda m: print(f"{m} ({time.time() - t0:.0f}s)", flush=True))
+                             say=lambda m: print(f"{m} ({time.time() - t0:.0f}s)", flush=True), weights=weights)
     Path(args.out).write_text("".join(json.dumps(p) + "\n" for p in reqs))
     print(f"wrote {len(reqs)} requests to {args.out}")
 

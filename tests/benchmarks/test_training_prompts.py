@@ -70,3 +70,21 @@ def test_text_requests_carry_a_text_and_drop_eval_text():
     assert len(one) + len(many) == 300 and one and many
     assert all(any(t in p["text"] for t in texts) for p in one)  # the whole passage is in the request
     assert all(p["text"].count("Passage ") >= 2 for p in many)  # a numbered set of at least two
+
+
+def test_self_instruct_weights_tilt_the_categories_and_bad_ones_are_refused():
+    from collections import Counter
+
+    from benchmarks.reference_pair.self_instruct import SEEDS, generate_requests, parse_weights
+
+    w = parse_weights("writing=3,math=0")
+    assert w["writing"] == 3 and w["math"] == 0 and w["stem"] == 1 and set(w) == set(SEEDS)
+    canned = [f" Tell me about thing number {i} please." for i in range(400)]
+    reqs = generate_requests(_CannedLLM(canned), 200, seed=0, rounds=1, say=lambda m: None, weights=w)
+    kinds = Counter(p["kind"][5:] for p in reqs)
+    assert len(reqs) == 200 and kinds["math"] == 0
+    assert kinds["writing"] > 2 * max(kinds[c] for c in SEEDS if c != "writing")  # 3/9 against 1/9 each
+    for bad in ["poetry=1", "writing", "writing=-1", ",".join(f"{c}=0" for c in SEEDS)]:
+        with pytest.raises(ValueError):
+            parse_weights(bad)
+    assert parse_weights(None) is None and parse_weights("") is None
