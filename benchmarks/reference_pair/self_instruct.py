@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import re
@@ -115,9 +116,12 @@ def parse_weights(spec: str | None) -> dict[str, float] | None:
         name = name.strip()
         if not sep or name not in SEEDS:
             raise ValueError(f"bad category weight {part!r}: want NAME=WEIGHT, NAME one of {', '.join(SEEDS)}")
-        w[name] = float(val)
-        if not w[name] >= 0:
-            raise ValueError(f"weight of {name} must be >= 0, got {val}")
+        try:
+            w[name] = float(val)
+        except ValueError:
+            raise ValueError(f"weight of {name} must be a number, got {val!r}") from None
+        if not (math.isfinite(w[name]) and w[name] >= 0):
+            raise ValueError(f"weight of {name} must be finite and >= 0, got {val}")
     if sum(w.values()) <= 0:
         raise ValueError("category weights are all zero")
     return w

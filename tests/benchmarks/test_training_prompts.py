@@ -84,7 +84,9 @@ def test_self_instruct_weights_tilt_the_categories_and_bad_ones_are_refused():
     kinds = Counter(p["kind"][5:] for p in reqs)
     assert len(reqs) == 200 and kinds["math"] == 0
     assert kinds["writing"] > 2 * max(kinds[c] for c in SEEDS if c != "writing")  # 3/9 against 1/9 each
-    for bad in ["poetry=1", "writing", "writing=-1", ",".join(f"{c}=0" for c in SEEDS)]:
-        with pytest.raises(ValueError):
+    for bad, says in [("poetry=1", "NAME one of"), ("writing", "NAME one of"), ("writing=-1", ">= 0"),
+                      ("writing=abc", "writing must be a number"), ("math=nan", ">= 0"), ("stem=inf", "finite"),
+                      (",".join(f"{c}=0" for c in SEEDS), "all zero")]:
+        with pytest.raises(ValueError, match=says):
             parse_weights(bad)
     assert parse_weights(None) is None and parse_weights("") is None
