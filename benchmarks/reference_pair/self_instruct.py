@@ -141,13 +141,15 @@ def generate_requests(llm, n: int, seed: int = 0, rounds: int = 3, temperature: 
     pool = {c: [] for c in SEEDS}
     seen = {q.lower() for qs in SEEDS.values() for q in qs}  # a copied seed is no new request
     out: list[dict] = []
+    cats = list(SEEDS)
+    cat_weights = [weights[c] for c in cats] if weights else None
     sp = SamplingParams(temperature=temperature, max_tokens=64, stop=["\n"], seed=None)
     for rnd in range(rounds):
         want = (n - len(out)) // (rounds - rnd)
         asks = []
         for _ in range(int(want * 1.6) + 8):  # some are rejected
             # (uniform draws keep r.choice: the documented earlier rounds reproduce)
-            c = r.choices(list(SEEDS), [weights[k] for k in SEEDS])[0] if weights else r.choice(list(SEEDS))
+            c = r.choices(cats, cat_weights)[0] if cat_weights else r.choice(cats)
             # (in the first round the third seed may repeat one of the two: kept as it is, so
             # that the documented third-round data reproduces)
             ex = r.sample(SEEDS[c], 2) + ([r.choice(pool[c])] if pool[c] else r.sample(SEEDS[c], 1))
