@@ -7,13 +7,16 @@ Usage:
 Options: --out DIR, --target/--draft PATH, --prompts-file F.jsonl, --systems a,b,...
 
 Why it is built this way (see benchmarks/README.md for the details):
-- Two engines cannot live in one process, so systems are *interleaved per block*: for each
-  batch size, every system starts an engine, runs all of that block's prompt groups and is
-  released, and the system order rotates from block to block, so drift hits all alike.
-- Core budget: this process pins itself to the first core (one torch thread); the target
-  alone and vLLM's SD run there, and the plugin carves the second core off for its draft
-  worker. The target alone and vLLM's SD allowed *both* cores run in a subprocess (clean
-  affinity and threads), so SSD's extra core is not a free win.
+- Every system is started as its user would start it: a multiprocess engine (vLLM's
+  default) with vLLM's own thread binding. "AR" (1 core) is plain vLLM with
+  VLLM_CPU_OMP_THREADS_BIND=<first core>, "AR-2c" plain vLLM bound to both cores, vLLM's
+  SD likewise; the plugin's sync SD and SSD get no binding from the harness (the plugin
+  places the target and its draft itself). The harness pins nothing.
+- Each record says which threads did the work and on which cores, and the run stops
+  rather than report a system whose threads are not where its name says.
+- Systems are *interleaved per block*: for each batch size, every system starts an
+  engine, runs all of that block's prompt groups and is released, and the system order
+  rotates from block to block, so drift hits all alike.
 - Decode is timed apart from prefill with vLLM's per-request timestamps (first to last
   token), fixed output length (ignore_eos); figures are medians over requests.
 """
@@ -24,16 +27,15 @@ import json
 import math
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from dataclasses import asdict, dataclass
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_saguaro.vllm_glue.offline import find_proposer, shutdown
+from vllm_saguaro.core.placement import BIND_ENV, compute_threads
+from vllm_saguaro.vllm_glue.offline import engine_report, shutdown
 
-ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "2",
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "2",
        "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
        "RAY_DEDUP_LOGS": "0",
        # Ray starts workers at nice 15; on a shared machine the draft worker then loses
@@ -68,6 +70,18 @@ class System:
     budget: int = 8
 
     @property
+    def plugin(self) -> bool:
+        return self.kind in ("sync_sd", "ssd")
+
+    def env(self, pair: list[int]) -> dict[str, str | None]:
+        """The engine's environment: vLLM's own binding for the plain-vLLM systems (one or
+        both cores); none for the plugin's, which a user starts without one."""
+        if self.plugin:
+            return {BIND_ENV: None}
+        cores = pair[:self.cores]
+        return {BIND_ENV: str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"}
+
+    @property
     def name(self) -> str:
         base = {"ar": "AR", "vllm_sd": "vLLM-SD", "sync_sd": "sync-SD", "ssd": "SSD"}[self.kind]
         name = base if self.kind == "ar" else f"{base}-K{self.k}"
@@ -82,8 +96,6 @@ class System:
                 "draft_dtype": s.draft_dtype, "async": self.kind == "ssd",
                 "draft_head_tokens": s.head_tokens, "draft_sampling": s.draft_sampling,
                 "log_stats_interval_s": 0}
-        if s.draft_cores:
-            spec["draft_cpu_cores"] = s.draft_cores
         if s.fallback:
             spec["fallback"] = s.fallback
         if self.kind == "ssd":
@@ -118,13 +130,16 @@ class Settings:
     # ~3x slower than fp32 on it (measured; see benchmarks/README.md)
     dtype: str = "float32"
     draft_dtype: str = "float32"
-    draft_cores: list[int] | None = None   # the plugin's draft core (the second core)
     max_model_len: int = 2048
     head_tokens: int | None = None   # the plugin's draft head cut (vLLM's SD keeps it whole)
     saguaro_c: float | None = None   # C of Saguaro sampling for SSD (None: the plugin's default)
     draft_sampling: str = "saguaro"  # the plugin's draft_sampling ("greedy": one-hot q)
     fallback: str | None = None      # the plugin's fallback (None: its default, auto)
     fit_to_round: bool | None = None  # the plugin's fanout.fit_to_round (None: its default)
+    pair: list[int] = field(default_factory=lambda: [0, 1])  # the two cores the run uses
+    # vLLM's default compiles the target (torch.compile): ~20% faster decode on the reference
+    # target, but ~70 s more per engine start; eager for every system unless --compile
+    compile: bool = False
 
 
 def settings_for(mode: str) -> Settings:
@@ -153,33 +168,104 @@ def blocks(s: Settings, datasets: list[str]) -> list[list[Group]]:
 
 
 # ----------------------------------------------------------------------------- engine side
-def pin(cores: list[int]) -> None:
-    """Bind this process (and torch's threads) to `cores`, before any engine starts."""
-    import torch
-
-    os.sched_setaffinity(0, set(cores))
-    torch._C.set_num_threads(len(cores))  # vLLM's CPU worker stubs torch.set_num_threads
+@contextmanager
+def environment(env: dict[str, str | None]):
+    """os.environ with `env` applied (None = unset) while an engine starts, then restored."""
+    saved = {k: os.environ.get(k) for k in env}
+    try:
+        for k, v in env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def make_engine(target: str, spec: dict | None, s: Settings):
     from vllm import LLM
 
-    return LLM(model=target, speculative_config=spec, enforce_eager=True, seed=0, dtype=s.dtype,
+    return LLM(model=target, speculative_config=spec, enforce_eager=not s.compile, seed=0, dtype=s.dtype,
                max_model_len=s.max_model_len, max_num_seqs=max(s.batches),
                disable_log_stats=False)
 
 
-def snapshot(llm) -> dict:
-    """Cumulative counters: vLLM's spec-decode ones and, for the plugin, its own."""
+def snapshot(llm) -> tuple[dict, dict]:
+    """(cumulative counters: vLLM's spec-decode ones and, for the plugin, its own;
+    the worker's report with the target's and the draft's threads)."""
     snap = {name: 0.0 for name in SPEC_COUNTERS}
     for m in llm.get_metrics():
         if m.name in snap and hasattr(m, "value"):
             snap[m.name] += m.value
-    d = find_proposer(llm)
-    if d is not None:
-        snap.update({f"plugin.{k}": v for k, v in d.metrics.as_dict().items() if k in PLUGIN_FIELDS})
-        snap.update({f"draft.{k}": v for k, v in d.draft_stats().items() if k in DRAFT_FIELDS})
-    return snap
+    report = engine_report(llm)
+    if "metrics" in report:
+        snap.update({f"plugin.{k}": v for k, v in report["metrics"].items() if k in PLUGIN_FIELDS})
+        snap.update({f"draft.{k}": v for k, v in report["draft"].items() if k in DRAFT_FIELDS})
+    return snap, report
+
+
+def placement(before: dict, after: dict, wall_s: float) -> dict:
+    """Which threads did the work during a group, and on which cores they may run."""
+    def side(key: str, share: float) -> dict | None:
+        if key not in after:
+            return None
+        busy = compute_threads(before[key]["threads"], after[key]["threads"], wall_s, share)
+        return {"pid": after[key]["pid"], "threads": len(after[key]["threads"]),
+                "busy_threads": busy,
+                "busy_cores": sorted({c for t in busy for c in t["cores"]}),
+                "all_cores": sorted({c for t in after[key]["threads"] for c in t["cores"]})}
+
+    return {"target": side("target", 0.05), "draft": side("draft_threads", 0.01)}
+
+
+def forward_ms(before: dict, after: dict, min_calls: int = 5) -> dict[str, float]:
+    """Mean ms per target forward at each width (tokens per step) between two worker
+    reports (patches.patch_forward_timer); widths seen fewer than min_calls times are left
+    out."""
+    out = {}
+    for w, (n, sec) in after["forward_s"].items():
+        n0, s0 = before["forward_s"].get(w, (0, 0.0))
+        if n - n0 >= min_calls:
+            out[w] = 1000 * (sec - s0) / (n - n0)
+    return out
+
+
+def check_placement(system: "System", where: dict, pair: list[int]) -> None:
+    """Refuse to report a system whose threads are not where its name says: the target's
+    busy threads on its cores (one core, or both for -2c), and for the plugin every
+    thread of the draft worker on the other core (Ray's client threads in the target's
+    process may sit there too, never on the target's core)."""
+    target, draft = where["target"], where["draft"]
+    want = pair[:system.cores] if not system.plugin else pair[:1]
+    allowed = [set(want)] + ([set(pair[1:])] if system.plugin else [])
+    busy = sorted(target["busy_threads"], key=lambda t: -t["busy_s"])
+    problems = []
+    if not busy:
+        problems.append("no busy target thread seen")
+    elif not set(busy[0]["cores"]) <= set(want):
+        problems.append(f"the target's busiest thread may run on {busy[0]['cores']}, not {want}")
+    for t in busy:
+        if not any(set(t["cores"]) <= a for a in allowed):
+            problems.append(f"target thread {t['name']} may run on {t['cores']}")
+    if system.kind in ("ar", "vllm_sd") and system.cores == 2:
+        on_both = [t for t in busy if set(t["cores"]) == set(pair)]
+        if len(on_both) < 2:
+            problems.append(f"{len(on_both)} busy target thread(s) on both cores, expected 2")
+    if system.plugin:
+        if draft is None:
+            problems.append("no draft worker")
+        elif draft["all_cores"] != pair[1:]:
+            problems.append(f"draft threads on cores {draft['all_cores']}, expected {pair[1:]}")
+        elif not draft["busy_threads"]:
+            problems.append("the draft worker did no work")
+    if problems:
+        raise SystemExit(f"{system.name}: threads not where the benchmark says "
+                         f"({'; '.join(problems)}): {json.dumps(where)}")
 
 
 def diff(after: dict, before: dict) -> dict:
@@ -208,7 +294,8 @@ def run_group(llm, system: System, group: Group, prompts: list[str], s: Settings
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=group.temperature, max_tokens=s.max_tokens, ignore_eos=True)
-    before = snapshot(llm)
+    before, report0 = snapshot(llm)
+    t_group = time.perf_counter()
     per_tok, spans, walls = [], [], []
     for chunk in chunks(prompts, group.batch):
         t0 = time.perf_counter()
@@ -218,17 +305,23 @@ def run_group(llm, system: System, group: Group, prompts: list[str], s: Settings
         tok, span = decode_times(outs, s.max_tokens)
         per_tok += tok
         spans.append(span)
-    deltas = diff(snapshot(llm), before)
+    wall = time.perf_counter() - t_group
+    after, report1 = snapshot(llm)
+    where = placement(report0, report1, wall)
+    check_placement(system, where, s.pair)
     return {"system": system.name, "kind": system.kind, "k": system.k, "cores": system.cores,
             **asdict(group), "max_tokens": s.max_tokens, "n_requests": len(per_tok),
             "n_chunks": len(spans), "per_token_s": per_tok, "spans_s": spans,
-            "wall_s": walls, "counters": deltas}
+            "wall_s": walls, "counters": diff(after, before), "placement": where,
+            "forward_ms": forward_ms(report0, report1)}
 
 
 def run_system(system: System, block: list[Group], prompts: dict[str, list[str]],
                target: str, draft: str, s: Settings) -> list[dict]:
-    """One engine for `system`, every group of the block, then release."""
-    llm = make_engine(target, system.spec(draft, s), s)
+    """One engine for `system`, started as its user would, every group of the block, then
+    release."""
+    with environment(system.env(s.pair)):
+        llm = make_engine(target, system.spec(draft, s), s)
     try:
         from vllm import SamplingParams
 
@@ -255,30 +348,6 @@ def progress_line(rec: dict) -> str:
     if rec.get("hit_rate") is not None:
         line += f"  hit {rec['hit_rate']:.2f}"
     return line
-
-
-# ----------------------------------------------------------------------------- subprocess
-def run_in_subprocess(system: System, block: list[Group], prompts: dict, target: str,
-                      draft: str, s: Settings, cores: list[int]) -> list[dict]:
-    """Run a system in a child process with its own affinity (`cores`) and thread count."""
-    with tempfile.TemporaryDirectory() as tmp:
-        job = Path(tmp) / "job.json"
-        result = Path(tmp) / "result.json"
-        job.write_text(json.dumps({
-            "system": asdict(system), "block": [asdict(g) for g in block], "prompts": prompts,
-            "target": target, "draft": draft, "settings": asdict(s), "cores": cores,
-            "result": str(result)}))
-        subprocess.run([sys.executable, "-m", "benchmarks.run", "--worker", str(job)],
-                       check=True, cwd=Path(__file__).resolve().parent.parent)
-        return json.loads(result.read_text())
-
-
-def worker_main(job_path: str) -> None:
-    job = json.loads(Path(job_path).read_text())
-    pin(job["cores"])
-    records = run_system(System(**job["system"]), [Group(**g) for g in job["block"]],
-                         job["prompts"], job["target"], job["draft"], Settings(**job["settings"]))
-    Path(job["result"]).write_text(json.dumps(records))
 
 
 # ----------------------------------------------------------------------------- summary
@@ -462,24 +531,30 @@ def markdown(result: dict) -> str:
     m = result["meta"]
     lines = [f"# Benchmark ({m['mode']}), {m['started']}", "",
              f"target `{m['target']}`, draft `{m['draft']}`, {m['max_tokens']} output tokens "
-             f"(ignore_eos), decode only, medians over requests. Target on core "
-             f"{m['cores'][0]}; SSD/sync-SD drafts on core {m['cores'][-1]}; `-2c` = allowed "
-             f"both cores. Speedup is against AR on one core; 'vs best 2c' against the best "
-             f"system allowed both cores.", "",
-             "| dataset | T | b | system | tok/s/seq | tok/s total | TPOT ms | accept len "
+             f"(ignore_eos), decode only, medians over requests, "
+             f"{'compiled' if m['settings'].get('compile') else 'eager'}. Every engine started as "
+             f"its user starts it (multiprocess): AR and vLLM-SD bound by "
+             f"VLLM_CPU_OMP_THREADS_BIND to core {m['cores'][0]} (`-2c`: to both cores); "
+             f"sync-SD and SSD with the plugin's own placement. Speedup is against AR on one "
+             f"core; 'vs best 2c' against the best plain-vLLM system bound to both cores.", "",
+             "| dataset | T | b | system | threads | tok/s/seq | tok/s total | TPOT ms | accept len "
              "| accept hit / miss | hit rate | fallback rate | wait ms/round | speedup | vs best 2c "
              "| predicted | pred (impl) | limit | meas/limit | note |",
-             "|" + "---|" * 19]
+             "|" + "---|" * 20]
     for r in result["records"]:
         lines.append(
             f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {r['system']} "
-            f"| {_f(r['tok_s_seq'], '.1f')} | {_f(r['tok_s_total'], '.1f')} "
+            f"| {_threads(r)} | {_f(r['tok_s_seq'], '.1f')} | {_f(r['tok_s_total'], '.1f')} "
             f"| {_f(r['tpot_ms'], '.1f')} | {_f(r['accept_len'])} "
             f"| {_f(r.get('accept_len_hit'))} / {_f(r.get('accept_len_miss'))} | {_f(r['hit_rate'])} "
             f"| {_f(r['fallback_rate'])} | {_f(r['wait_ms_per_round'], '.1f')} "
             f"| {_f(r['speedup'])} | {_f(r['speedup_vs_best_2c'])} | {_f(r['predicted'])} "
             f"| {_f(r.get('predicted_impl'))} | {_f(r['limit'])} | {_f(r['measured_over_limit'])} | {r['note']} |")
-    lines += ["", "vLLM's built-in SD (`vLLM-SD`) at T > 0 is not lossless on unpatched "
+    lines += forward_table(result["records"])
+    lines += ["", "threads: the threads that did the work, as `count@cores`, for the target "
+              "(T) and the draft worker (D); the run refuses a system whose threads are "
+              "elsewhere (benchmarks/README.md).",
+              "", "vLLM's built-in SD (`vLLM-SD`) at T > 0 is not lossless on unpatched "
               "vllm-cpu 0.32 (docs/vllm-cpu-sampled-sd.md); the plugin, loaded as a vLLM "
               "plugin in every engine process here, patches it, so those rows ran on a "
               "fixed engine.",
@@ -502,6 +577,41 @@ def markdown(result: dict) -> str:
                          f"| {_f(r['a'])} | {_f(r['hit_rate'])} | {_f(r['projected_speedup'])} "
                          f"| {_f(r['projected_tok_s'], '.0f')} |")
     return "\n".join(lines) + "\n"
+
+
+def _threads(r: dict) -> str:
+    where = r.get("placement") or {}
+
+    def side(tag: str, w: dict | None) -> str:
+        if not w or not w["busy_threads"]:
+            return ""
+        groups: dict[str, int] = {}
+        for t in w["busy_threads"]:
+            key = ",".join(map(str, t["cores"]))
+            groups[key] = groups.get(key, 0) + 1
+        return tag + " " + " ".join(f"{n}@[{k}]" for k, n in groups.items())
+
+    return " / ".join(x for x in (side("T", where.get("target")), side("D", where.get("draft"))) if x) or "—"
+
+
+def forward_table(records: list[dict]) -> list[str]:
+    """The target's forward time per width: the same width with and without a draft
+    beside it (AR at batch w vs SD / SSD at batch w / (K+1)), medians over groups."""
+    by: dict[tuple[str, int], list[float]] = {}
+    for r in records:
+        for w, ms in (r.get("forward_ms") or {}).items():
+            by.setdefault((r["system"], int(w)), []).append(ms)
+    systems = list(dict.fromkeys(r["system"] for r in records if r.get("forward_ms")))
+    widths = sorted({w for _, w in by})
+    if not by:
+        return []
+    lines = ["", "## The target's forward time by width (ms per forward, median over groups)", "",
+             "| width | " + " | ".join(systems) + " |", "|---|" + "---|" * len(systems)]
+    for w in widths:
+        cells = [_f(statistics.median(by[(x, w)]), ".1f") if (x, w) in by else "—" for x in systems]
+        if sum(c != "—" for c in cells) >= 2:
+            lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plots(records: list[dict], out: Path) -> list[str]:
@@ -595,13 +705,12 @@ def load_prompts(args, target: str, s: Settings) -> dict[str, list[str]]:
 def run_benchmark(s: Settings, target: str, draft: str, prompts: dict[str, list[str]]) -> dict:
     """Every block, every system (rotating order), in this process tree; returns results."""
     cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        raise SystemExit("the benchmark needs 2 cores (target core + draft core)")
-    pair = cores[:2]
-    s.draft_cores = pair[1:]
+    if len(cores) != 2:
+        raise SystemExit(f"the benchmark needs exactly 2 cores (target core + draft core), "
+                         f"this process has {cores}; run it under taskset -c A,B")
+    s.pair = cores
     systems = plan_systems(s)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    pin(pair[:1])  # in-process engines: the target on the first core, one thread
     records = []
     groups = blocks(s, list(prompts))
     for bi, block in enumerate(groups):
@@ -609,15 +718,12 @@ def run_benchmark(s: Settings, target: str, draft: str, prompts: dict[str, list[
         for si, system in enumerate(order):
             log(f"block {bi + 1}/{len(groups)} (b={block[0].batch}) system {si + 1}/{len(order)}: "
                 f"{system.name}")
-            if system.cores == 2:
-                records += run_in_subprocess(system, block, prompts, target, draft, s, pair)
-            else:
-                records += run_system(system, block, prompts, target, draft, s)
+            records += run_system(system, block, prompts, target, draft, s)
     order_key = {x.name: i for i, x in enumerate(systems)}
     records.sort(key=lambda r: (r["dataset"], r["temperature"], r["batch"], order_key[r["system"]]))
     add_theory(records)
     meta = {"mode": s.mode, "started": started, "target": target, "draft": draft,
-            "cores": pair, "max_tokens": s.max_tokens, "settings": asdict(s),
+            "cores": s.pair, "max_tokens": s.max_tokens, "settings": asdict(s),
             "prompts_per_set": {k: len(v) for k, v in prompts.items()},
             "systems": [x.name for x in systems]}
     return {"meta": meta, "records": records}
@@ -657,9 +763,11 @@ def parse_args(argv=None):
                    help="the plugin's backup on a cache miss (default: the plugin's, auto)")
     p.add_argument("--fit-to-round", choices=["on", "off"],
                    help="SSD: fanout.fit_to_round (shrink the budget so the tree decode fits the round)")
+    p.add_argument("--compile", action="store_true",
+                   help="vLLM's default torch.compile for every engine (default: enforce_eager, "
+                   "which starts ~70 s faster per engine)")
     p.add_argument("--gpu-target-tok-s", type=float, default=GPU_TARGET_TOK_S)
     p.add_argument("--gpu-draft-ms", type=float, default=GPU_DRAFT_STEP_MS)
-    p.add_argument("--worker", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -695,6 +803,8 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.draft_sampling = args.draft_sampling
     if args.fallback:
         s.fallback = args.fallback
+    if args.compile:
+        s.compile = True
     if args.fit_to_round is not None:
         s.fit_to_round = args.fit_to_round == "on"
     if s.max_tokens < 2:
@@ -705,10 +815,10 @@ def apply_overrides(s: Settings, args) -> Settings:
 def main(argv=None) -> dict | None:
     for k, v in ENV.items():
         os.environ.setdefault(k, v)
+    # every engine as a user starts it: vLLM's default multiprocess engine (an in-process
+    # engine is bound by nobody, so VLLM_CPU_OMP_THREADS_BIND would mean nothing)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
     args = parse_args(argv)
-    if args.worker:
-        worker_main(args.worker)
-        return None
     out = Path(args.out)
     if args.project and not args.mode:
         result = json.loads((out / "latest.json").read_text())

@@ -1,12 +1,14 @@
 """The benchmark's quick mode end to end on tiny models: it runs and writes well-formed results.
 
 Not a speed test: tiny random models on a shared machine say nothing about speed, so only
-the shape of the JSON / markdown is checked. It runs in a subprocess because the benchmark
-pins its process to one core and starts engines, which must not leak into other tests.
+the shape of the JSON / markdown is checked, and that every record says where its
+threads ran. It runs in a subprocess, as a user runs the benchmark.
 """
 import json
 import subprocess
 import sys
+
+import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +40,8 @@ def test_quick_mode_writes_results(tmp_path, tiny_target, tiny_draft):
     assert {r["dataset"] for r in recs} == {"chatty", "raw"}
     for r in recs:
         assert r["tok_s_seq"] > 0 and r["tpot_ms"] > 0 and r["n_requests"] >= 1
+        assert r["placement"]["target"]["busy_threads"], r["placement"]
+        assert r["forward_ms"], "the target's forward times per width are missing"
         assert r["speedup"] is not None
         if r["kind"] != "ar":
             assert r["accept_len"] is not None and 1.0 <= r["accept_len"] <= r["k"] + 1
@@ -111,3 +115,37 @@ def test_theory_uses_each_sources_acceptance_and_the_backup_actually_used():
     # = 1.4545 -> 2.0 / 1.4545 * 0.1 / 0.11 = 1.25
     assert old["accept_len_miss"] is None and abs(old["predicted"] - 1.25) < 1e-3
     assert "assumes the neural backup" in old["note"]
+
+
+def _where(target_threads, draft_threads=None):
+    def side(threads):
+        return {"pid": 1, "threads": len(threads), "busy_threads": threads,
+                "busy_cores": sorted({c for t in threads for c in t["cores"]}),
+                "all_cores": sorted({c for t in threads for c in t["cores"]})}
+    return {"target": side(target_threads), "draft": side(draft_threads) if draft_threads else None}
+
+
+def _t(cores, busy=1.0, name="python"):
+    return {"tid": 1, "name": name, "cores": cores, "cpu_s": busy, "busy_s": busy}
+
+
+def test_the_benchmark_refuses_threads_that_are_not_where_it_says():
+    from benchmarks.run import System, check_placement
+
+    pair = [0, 1]
+    check_placement(System("ar"), _where([_t([0])]), pair)
+    check_placement(System("ar", cores=2), _where([_t([0, 1]), _t([0, 1], 0.8)]), pair)
+    ssd = System("ssd", 3)
+    # Ray's client threads of the target's process may sit on the draft's core
+    check_placement(ssd, _where([_t([0]), _t([1], 0.1, "gcs_client")], [_t([1])]), pair)
+    bad = [
+        (System("ar"), _where([_t([0, 1])])),                          # unbound target
+        (System("ar", cores=2), _where([_t([0, 1])])),                  # one thread on 2 cores
+        (ssd, _where([_t([1])], [_t([1])])),                            # target on the draft's core
+        (ssd, _where([_t([0])], [_t([0, 1])])),                         # draft free to roam
+        (ssd, _where([_t([0])])),                                       # no draft seen
+        (ssd, _where([_t([0]), _t([0, 1], 0.2)], [_t([1])])),           # a roaming target thread
+    ]
+    for system, where in bad:
+        with pytest.raises(SystemExit, match="threads not where the benchmark says"):
+            check_placement(system, where, pair)

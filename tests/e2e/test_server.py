@@ -121,6 +121,46 @@ def test_metrics_page_has_ssd_figures(server):
     assert "vllm:saguaro_cache_hits_total" in values
 
 
+def _session_processes(sid: int) -> dict[int, str]:
+    out = subprocess.run(["ps", "-s", str(sid), "-o", "pid=,args="], capture_output=True,
+                         text=True).stdout
+    return {int(line.split(None, 1)[0]): line.split(None, 1)[1] for line in out.splitlines()
+            if line.strip()}
+
+
+def test_server_threads_target_and_draft_on_their_own_cores(server):
+    """The server's target worker computes on the target's core (bound by vLLM), every
+    thread of the draft worker is on the draft's, and both did work."""
+    from vllm_saguaro.core.placement import process_threads
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("SSD on CPU needs 2 cores")
+    url, proc, _ = server
+    procs = _session_processes(proc.pid)
+    worker = [p for p, a in procs.items() if "Worker" in a and "DraftWorker" not in a]
+    draft = [p for p, a in procs.items() if "ray::DraftWorker" in a]
+    assert len(worker) == 1 and len(draft) == 1, procs
+    before = {p: sum(t.cpu_s for t in process_threads(p)) for p in worker + draft}
+    r = requests.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPT, "max_tokens": 48, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    target, draft_cores = {cores[0]}, {cores[-1]}
+    threads = process_threads(draft[0])
+    off = [t for t in threads if not set(t.cores) <= draft_cores]
+    assert not off, f"draft worker threads off core {sorted(draft_cores)}: {off}"
+    assert sum(t.cpu_s for t in threads) > before[draft[0]], "the draft worker did no work"
+    threads = process_threads(worker[0])
+    # the target's own threads on its core; Ray's client threads there sit on the draft's
+    roaming = [t for t in threads if not (set(t.cores) <= target or set(t.cores) <= draft_cores)]
+    assert not roaming, f"target worker threads free to use both sides: {roaming}"
+    main = next(t for t in threads if t.tid == worker[0])
+    busiest = max(threads, key=lambda t: t.cpu_s)
+    assert set(main.cores) <= target and set(busiest.cores) <= target, (main, busiest)
+    assert sum(t.cpu_s for t in threads) > before[worker[0]], "the target worker did no work"
+
+
 def test_server_stops_cleanly(server):
     """Ctrl-C (SIGINT to the process group): the server exits and takes the draft worker
     with it. vLLM's own abort-mode shutdown may log an EngineDeadError traceback (a race

@@ -1,6 +1,7 @@
 """Each patch of vLLM internals, tested on its own (the e2e tests cover them together)."""
 import argparse
 import json
+import os
 
 import pytest
 import torch
@@ -8,7 +9,6 @@ import yaml
 
 from vllm_saguaro.plugin import UnsupportedVLLMVersion, check_vllm_version
 from vllm_saguaro.vllm_glue import patches
-from vllm_saguaro.vllm_glue.proposer import choose_draft_cores
 from vllm_saguaro.config import SaguaroConfig, SaguaroConfigError
 
 
@@ -123,17 +123,45 @@ def _cfg(tiny_draft, cores=None):
     return SaguaroConfig.model_validate({"draft_model": str(tiny_draft), "draft_cpu_cores": cores})
 
 
-def test_draft_cores(tiny_draft, monkeypatch):
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
-    # unbound in-process target on both cores: the draft carves out the last one
-    assert choose_draft_cores(_cfg(tiny_draft), {0, 1}, None) == ([1], {0})
-    # target already on core 1 only: the draft takes the free core
-    assert choose_draft_cores(_cfg(tiny_draft), {1}, None) == ([0], {1})
-    assert choose_draft_cores(_cfg(tiny_draft, [0]), {0, 1}, None) == ([0], {1})
-    with pytest.raises(ValueError, match="overlap the cores the target is bound to"):
-        choose_draft_cores(_cfg(tiny_draft, [0]), {0, 1}, {0})
-    with pytest.raises(ValueError, match="no CPU core is left"):
-        choose_draft_cores(_cfg(tiny_draft, [0, 1]), {0, 1}, None)
+def test_place_draft_writes_the_cores_into_the_config(tiny_draft, monkeypatch):
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        pytest.skip("CPU placement applies on CPU builds only")
+    monkeypatch.setattr("vllm_saguaro.vllm_glue.proposer.process_cores", lambda: {0, 1})
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert patches.place_draft(_cfg(tiny_draft)).draft_cpu_cores == [1]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    assert patches.place_draft(_cfg(tiny_draft)).draft_cpu_cores == [0]
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    with pytest.raises(SaguaroConfigError, match="leaves none for the draft"):
+        patches.place_draft(_cfg(tiny_draft))
+
+
+def test_omp_binding_takes_the_draft_cores_out_of_vllms_auto_lists(tiny_draft, monkeypatch):
+    """The patched OMPProcessManager: vLLM's auto lists minus the draft's cores."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+    from vllm.utils import ompmultiprocessing
+
+    if not current_platform.is_cpu():
+        pytest.skip("OpenMP binding applies on CPU builds only")
+    patches.apply_all()
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # vLLM's auto: every core
+    parallel = SimpleNamespace(local_world_size=1, data_parallel_rank_local=None,
+                               _api_process_count=1)
+    plain = SimpleNamespace(parallel_config=parallel, kv_transfer_config=None,
+                            additional_config={})
+    ssd = SimpleNamespace(parallel_config=parallel, kv_transfer_config=None,
+                          additional_config={"saguaro": {"draft_device": "cpu",
+                                                         "draft_cpu_cores": [1]}})
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs 2 cores")
+    assert ompmultiprocessing.OMPProcessManager(plain).cpu_lists == [cores]
+    assert ompmultiprocessing.OMPProcessManager(ssd).cpu_lists == [[c for c in cores if c != 1]]
 
 
 def test_draft_gpu_must_differ_from_target(tiny_draft):
@@ -152,3 +180,19 @@ def test_draft_vocabulary_must_match(tiny_draft):
     check_draft_vocabulary(str(tiny_draft), 512)
     with pytest.raises(ValueError, match="vocabulary of 512 tokens but the target has 49152"):
         check_draft_vocabulary(str(tiny_draft), 49152)
+
+
+def test_forward_timer_counts_each_width():
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patches.apply_all()
+    runner = SimpleNamespace(model=lambda **kw: kw["positions"].sum())
+    for width in (4, 4, 1):
+        out = GPUModelRunner._model_forward(runner, input_ids=torch.zeros(width, dtype=torch.long),
+                                            positions=torch.arange(width))
+        assert int(out) == sum(range(width))  # the model's own output, untouched
+    times = runner.saguaro_forward_s
+    assert sorted(times) == [1, 4] and times[4][0] == 2 and times[1][0] == 1
+    assert all(sec >= 0 for _, sec in times.values())

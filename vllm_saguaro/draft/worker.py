@@ -22,6 +22,7 @@ from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.fallback import RunningMean, ngram_draft, use_neural_fallback
 from vllm_saguaro.core.fanout import AcceptanceFit, budget_that_fits, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
+from vllm_saguaro.core.placement import bind_process, omp_env, process_threads
 from vllm_saguaro.core.sampling import SamplingSpec, draft_distribution
 from vllm_saguaro.core.theory import expected_tokens_per_round
 from vllm_saguaro.draft.kv import PagedKVCache
@@ -113,13 +114,14 @@ def _lcp(a: list[int], b: list[int]) -> int:
 
 
 def bind_to_cores(cores: list[int]) -> None:
-    """Give the draft a 'device' of its own on CPU machines: its own cores and threads."""
-    os.sched_setaffinity(0, set(cores))
+    """Give the draft a 'device' of its own on CPU machines: its own cores and threads.
+
+    Every thread of the actor's process is moved (Ray's own threads too: they are started
+    before this runs, and a process started from the target's worker inherits its
+    binding); OpenMP's pool was bound to these cores by the environment make_ray_worker
+    gave the process."""
+    bind_process(cores)
     torch.set_num_threads(len(cores))
-
-
-def default_draft_cores() -> list[int]:
-    return [max(os.sched_getaffinity(0) | {0})]
 
 
 class DraftWorker:
@@ -128,7 +130,7 @@ class DraftWorker:
         self.cfg = cfg
         if cfg.draft_device == "cpu":
             if bind:
-                bind_to_cores(cfg.draft_cpu_cores or default_draft_cores())
+                bind_to_cores(cfg.draft_cpu_cores or [max(os.sched_getaffinity(0))])
             device = torch.device("cpu")
         else:
             device = torch.device(cfg.draft_device)
@@ -186,6 +188,10 @@ class DraftWorker:
 
     def get_stats(self) -> dict:
         return self.stats.as_dict()
+
+    def threads(self) -> dict:
+        """This process and its threads (affinity, CPU time): where the draft really runs."""
+        return {"pid": os.getpid(), "threads": [t.as_dict() for t in process_threads()]}
 
     def step(self, updates: list[Update], finished: list[str]) -> tuple[list[Result], float]:
         """Commit each sequence's outcome and return its next speculations, and how long
@@ -536,16 +542,48 @@ class DraftWorker:
             self.t_branch.add((time.perf_counter() - t0) * self.K / (steps * rows))
 
 
+OBJECT_STORE_BYTES = 512 * 2**20
+
+
 def make_ray_worker(config: dict, target_vocab_size: int):
     """Start the draft worker as a Ray actor (own process; own cores or own GPU)."""
     import ray
 
+    cores = config.get("draft_cpu_cores") if config.get("draft_device", "cpu") == "cpu" else None
     if not ray.is_initialized():
         # Ray starts workers at nice 15: the draft would lose its own core to anything else.
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, ignore_reinit_error=True)
+        # Ray's memory monitor kills the newest worker when the machine's memory use passes
+        # 95%; vLLM's CPU KV reservation alone can take most of it, and the draft is then
+        # the one killed. The draft belongs to the server like the target: leave it to the
+        # kernel, as vLLM's own processes are (docs/cpu-thread-placement.md, "Memory").
+        os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+        # Ray's daemons and worker processes inherit the affinity of the thread that
+        # starts them and its OpenMP variables: from the target's worker, the target's
+        # cores. Start them with the draft's instead, so nothing of Ray's runs on the
+        # target's cores (and libgomp is not told to bind to cores it may not use).
+        here, saved = os.sched_getaffinity(0), {}
+        if cores:
+            os.sched_setaffinity(0, set(cores))
+            for k, v in omp_env(cores).items():
+                saved[k] = os.environ.get(k)
+                os.environ[k] = v
+        try:
+            # Only small objects cross (outcomes, drafts, q rows): Ray's default object
+            # store would reserve 30% of the machine's memory in /dev/shm.
+            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+                     configure_logging=False, ignore_reinit_error=True,
+                     object_store_memory=OBJECT_STORE_BYTES)
+        finally:
+            os.sched_setaffinity(0, here)
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
+    if cores:  # OpenMP's threads on the draft's cores, not the target's inherited OMP_PLACES
+        env.update(omp_env(cores))
     if os.environ.get(FAULT_ENV):
         env[FAULT_ENV] = os.environ[FAULT_ENV]
     # Two threads: step() must be able to cut a pre-speculation short (see step()).

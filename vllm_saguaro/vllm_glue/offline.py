@@ -1,5 +1,5 @@
-"""Helpers for offline use of an in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``):
-SSD's figures for one engine, and a clean shutdown before the next engine starts."""
+"""Helpers for offline use of an ``LLM``: SSD's figures for one engine (in-process or
+multiprocess), where its threads run, and a clean shutdown before the next engine starts."""
 from __future__ import annotations
 
 import gc
@@ -20,12 +20,28 @@ def find_proposer(llm):
     return drafter if isinstance(drafter, SaguaroProposer) else None
 
 
+def in_process(llm) -> bool:
+    return getattr(llm.llm_engine.engine_core, "engine_core", None) is not None
+
+
+def engine_report(llm) -> dict:
+    """The worker's report (proposer.worker_report): the target's threads and, with SSD,
+    the proposer's figures, the draft worker's counters and the draft's threads. With a
+    multiprocess engine it comes from the worker process (collective_rpc)."""
+    from vllm_saguaro.vllm_glue.proposer import worker_report
+
+    if in_process(llm):
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        return worker_report(find_proposer(llm), runner)
+    return llm.collective_rpc("saguaro_stats")[0]
+
+
 def ssd_stats(llm) -> dict:
     """Target-side figures (hit rate, fallbacks, waits) plus the draft worker's own."""
-    proposer = find_proposer(llm)
-    if proposer is None:
+    report = engine_report(llm)
+    if "metrics" not in report:
         return {}
-    return {**proposer.metrics.as_dict(), "draft": proposer.draft_stats()}
+    return {**report["metrics"], "draft": report["draft"]}
 
 
 def shutdown(llm) -> None:
@@ -36,7 +52,7 @@ def shutdown(llm) -> None:
     """
     from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
 
-    proposer = find_proposer(llm)
+    proposer = find_proposer(llm) if in_process(llm) else None
     if proposer is not None:
         proposer.shutdown()
     llm.llm_engine.engine_core.shutdown()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 from typing import Any
 
 PROPOSER_PATH = "vllm_saguaro.vllm_glue.proposer.SaguaroProposer"
@@ -28,12 +29,34 @@ def to_vllm_speculative_config(value: Any, additional_config: dict | None) -> tu
     """
     from vllm_saguaro.config import load_config
 
-    cfg = load_config(value)
+    cfg = place_draft(load_config(value))
     extra = dict(additional_config or {})
     extra["saguaro"] = cfg.to_json_dict()
     spec = {"method": "custom_class", "model": PROPOSER_PATH,
             "num_speculative_tokens": cfg.num_speculative_tokens}
     return spec, extra
+
+
+def place_draft(cfg):
+    """Decide the draft's CPU cores once, where the engine's config is made (the user's
+    process or the API server), before any engine process starts: every later process
+    (engine core, worker, draft actor) then reads the same cores from the config."""
+    import os
+
+    from vllm.platforms import current_platform
+
+    from vllm_saguaro.core.placement import BIND_ENV, plan_draft_cores
+    from vllm_saguaro.vllm_glue.proposer import process_cores
+
+    if cfg.draft_device != "cpu" or not current_platform.is_cpu():
+        return cfg
+    try:
+        cores = plan_draft_cores(cfg.draft_cpu_cores, process_cores(), os.environ.get(BIND_ENV))
+    except ValueError as err:
+        from vllm_saguaro.config import SaguaroConfigError
+
+        raise SaguaroConfigError(str(err)) from None
+    return cfg.model_copy(update={"draft_cpu_cores": cores})
 
 
 def patch_engine_args() -> None:
@@ -239,6 +262,100 @@ def patch_cpu_seeded_chunked_prefill() -> None:
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
 
 
+def _saguaro_cpu_cores(vllm_config) -> list[int] | None:
+    """The draft's cores from the engine's config, when SSD runs its draft on CPU."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    cfg = extra.get("saguaro")
+    if not cfg or cfg.get("draft_device", "cpu") != "cpu":
+        return None
+    return cfg.get("draft_cpu_cores")
+
+
+def patch_omp_binding() -> None:
+    """Why: on CPU the target's OpenMP threads must stay off the draft's cores.
+
+    vLLM binds a worker's threads through OMPProcessManager (VLLM_CPU_OMP_THREADS_BIND;
+    auto = its own choice of cores), which exports OMP_PLACES & co. before the worker
+    process starts. Its auto choice knows nothing of the draft, so the draft's cores are
+    taken out of its per-rank lists here (core/placement.py); a user's explicit binding
+    is kept (the config refused one that overlaps the draft). 'nobind' is respected,
+    with a warning that the target may then share the draft's cores.
+    """
+    from vllm.utils import ompmultiprocessing
+
+    if not _once("omp_binding"):
+        return
+    from vllm_saguaro.core.placement import BIND_ENV, target_cpu_lists
+
+    manager = ompmultiprocessing.OMPProcessManager
+    original = manager.__init__
+
+    def __init__(self, config, *args, **kwargs):
+        original(self, config, *args, **kwargs)
+        draft = _saguaro_cpu_cores(config)
+        if draft is None or not hasattr(self, "cpu_lists"):
+            return
+        import os
+
+        bind = os.environ.get(BIND_ENV)
+        if self.skip_setup:
+            logging.getLogger("vllm_saguaro").warning(
+                "%s=nobind: vLLM does not bind the target's threads, so they may run on the "
+                "draft's cores %s and slow both; bind the target to other cores instead",
+                BIND_ENV, draft)
+            return
+        self.cpu_lists = target_cpu_lists(self.cpu_lists, draft, bind,
+                                          set(os.sched_getaffinity(0)))
+        logging.getLogger("vllm_saguaro").info(
+            "Saguaro: target threads bound by vLLM to cores %s, draft worker on cores %s",
+            self.cpu_lists, draft)
+
+    manager.__init__ = __init__
+
+
+def patch_forward_timer() -> None:
+    """Why: the draft must not slow the target's forward (on CPU the two share a memory
+    bus); the benchmark compares the target's forward time at each width (tokens per
+    step) with and without SSD. Two clock reads per step, kept per width on the runner."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not _once("forward_timer"):
+        return
+    import time
+
+    original = GPUModelRunner._model_forward
+
+    def _model_forward(self, input_ids=None, positions=None, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = original(self, input_ids, positions, *args, **kwargs)
+        width = int(positions.shape[-1]) if positions is not None else 0
+        times = self.__dict__.setdefault("saguaro_forward_s", {})
+        n, total = times.get(width, (0, 0.0))
+        times[width] = (n + 1, total + time.perf_counter() - t0)
+        return out
+
+    GPUModelRunner._model_forward = _model_forward
+
+
+def patch_worker_rpc() -> None:
+    """Why: with a multiprocess engine the proposer lives in the worker process, out of the
+    user's reach; ``LLM.collective_rpc("saguaro_stats")`` reads SSD's figures and where
+    the target's and the draft's threads run (vllm_glue/offline.py)."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if not _once("worker_rpc"):
+        return
+
+    def saguaro_stats(self) -> dict:
+        from vllm_saguaro.vllm_glue.proposer import SaguaroProposer, worker_report
+
+        runner = getattr(self, "model_runner", None)
+        drafter = getattr(runner, "drafter", None)
+        return worker_report(drafter if isinstance(drafter, SaguaroProposer) else None, runner)
+
+    Worker.saguaro_stats = saguaro_stats
+
+
 def apply_all() -> None:
     patch_engine_args()
     patch_cli_parser()
@@ -246,6 +363,9 @@ def apply_all() -> None:
     patch_triton_dispatcher()
     patch_cpu_rejection_sampler_expand()
     patch_cpu_seeded_chunked_prefill()
+    patch_omp_binding()
+    patch_forward_timer()
+    patch_worker_rpc()
 
 
 def patch_cli_version() -> None:

@@ -17,6 +17,7 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.outcome import is_consistent
+from vllm_saguaro.core.placement import process_threads
 from vllm_saguaro.core.sampling import SamplingSpec
 from vllm_saguaro.draft.model import check_draft_vocabulary
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
@@ -32,50 +33,34 @@ class _Mirror:
     spec: list[int]
 
 
-def _explicit_target_cores() -> set[int] | None:
-    """Cores the user bound the target to with VLLM_CPU_OMP_THREADS_BIND, if any."""
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
-    if bind in ("auto", "nobind", "all"):
-        return None
-    from vllm.utils.cpu_resource_utils import parse_id_list
-
-    return {c for part in bind.split("|") for c in parse_id_list(part)}
+_cores_before_binding: set[int] | None = None
 
 
-def choose_draft_cores(cfg: SaguaroConfig, process_cores: set[int],
-                       bound: set[int] | None) -> tuple[list[int], set[int]]:
-    """(draft cores, target cores): the draft gets cores the target's threads do not use.
-
-    Cores the user bound the target to (``bound``) are never taken; otherwise the draft
-    takes a free core, or carves the highest core out of the target process's set.
-    """
-    target = bound if bound is not None else process_cores
-    if cfg.draft_cpu_cores is not None:
-        draft = list(cfg.draft_cpu_cores)
-        clash = sorted(set(draft) & (bound or set()))
-        if clash:
-            raise ValueError(
-                f"draft_cpu_cores {draft} overlap the cores the target is bound to "
-                f"({sorted(bound)}, VLLM_CPU_OMP_THREADS_BIND): give the draft cores of its own")
-    else:
-        free = sorted(set(range(os.cpu_count() or 1)) - target)
-        draft = [free[-1]] if free else [max(target)]
-    rest = target - set(draft)
-    if not rest:
-        raise ValueError(
-            f"no CPU core is left for the target: it has {sorted(target)} and the draft takes "
-            f"{draft}. SSD on CPU needs at least two cores (one for the draft).")
-    return draft, rest
+def process_cores() -> set[int]:
+    """The cores this process may use, as it had them before an in-process engine's
+    binding narrowed its main thread (so a second engine plans from the same cores)."""
+    return set(_cores_before_binding or os.sched_getaffinity(0))
 
 
-def _bind_target(cores: set[int]) -> None:
-    """Keep the target's threads off the draft's cores (in-process engines are unbound)."""
-    import torch
-
-    if set(os.sched_getaffinity(0)) != cores:
+def bind_in_process_target(draft: list[int]) -> None:
+    """An in-process engine (vLLM's single-process executor) is bound by nobody: plain vLLM
+    runs it on one unbound thread. Keep that thread off the draft's cores."""
+    global _cores_before_binding
+    cores = process_cores() - set(draft)
+    if cores and set(os.sched_getaffinity(0)) != cores:
+        _cores_before_binding = process_cores()
         os.sched_setaffinity(0, cores)
         torch._C.set_num_threads(len(cores))  # vLLM's CPU worker stubs torch.set_num_threads
-        logger.info("Saguaro: target threads bound to cores %s", sorted(cores))
+        logger.info("Saguaro: in-process engine, target thread bound to cores %s", sorted(cores))
+
+
+def check_target_placement(draft: list[int]) -> None:
+    """Multiprocess engines: vLLM bound this worker's threads (patches.patch_omp_binding);
+    say so once if they can still reach the draft's cores (VLLM_CPU_OMP_THREADS_BIND=nobind)."""
+    shared = sorted({c for t in process_threads() for c in t.cores} & set(draft))
+    if shared:
+        logger.warning("Saguaro: target threads may run on the draft's cores %s (target not "
+                       "bound by vLLM); expect both to slow down", shared)
 
 
 def check_draft_gpu(cfg: SaguaroConfig, target_device) -> None:
@@ -99,6 +84,8 @@ class SaguaroProposer:
         self.cfg = SaguaroConfig.model_validate(extra["saguaro"])
         self.vocab_size = vllm_config.model_config.get_vocab_size()
         self.target_device = getattr(vllm_config.device_config, "device", "cpu")
+        # vLLM's single-process executor: the target runs in the user's own process
+        self.in_process = vllm_config.parallel_config.distributed_executor_backend == "uni"
         self.actor = None
         self.pending = None          # ObjectRef of the last pre-speculation
         self.mirror: dict[str, _Mirror] = {}
@@ -113,11 +100,13 @@ class SaguaroProposer:
         cfg = self.cfg.model_copy()
         check_draft_vocabulary(cfg.draft_model, self.vocab_size)  # here, not in the actor
         if cfg.draft_device == "cpu":
-            bound = _explicit_target_cores()
-            cfg.draft_cpu_cores, target = choose_draft_cores(
-                cfg, set(os.sched_getaffinity(0)), bound)
-            if bound is None:
-                _bind_target(target)
+            if not cfg.draft_cpu_cores:  # config not made by the plugin's engine-args hook
+                raise RuntimeError("Saguaro: the draft's CPU cores were not chosen; start "
+                                   "the engine with speculative_config method 'saguaro'")
+            if self.in_process:
+                bind_in_process_target(cfg.draft_cpu_cores)
+            else:
+                check_target_placement(cfg.draft_cpu_cores)
         else:
             check_draft_gpu(cfg, self.target_device)
         self.actor = make_ray_worker(cfg.to_json_dict(), self.vocab_size)
@@ -194,6 +183,12 @@ class SaguaroProposer:
 
         return ray.get(self.actor.get_stats.remote())
 
+    def draft_threads(self) -> dict:
+        """The draft worker's process id and its threads (affinity, CPU time)."""
+        import ray
+
+        return ray.get(self.actor.threads.remote())
+
     def shutdown(self) -> None:
         if self.actor is not None:
             _kill(self.actor)
@@ -208,3 +203,16 @@ def _kill(actor) -> None:
             ray.kill(actor)
     except Exception:  # interpreter shutdown: Ray may already be gone
         pass
+
+
+def worker_report(proposer: SaguaroProposer | None, runner=None) -> dict:
+    """What ``collective_rpc("saguaro_stats")`` returns from a worker: its threads, the
+    target's forward times per width (patches.patch_forward_timer) and, with SSD, the
+    proposer's figures, the draft worker's counters and its threads."""
+    forward = getattr(runner, "saguaro_forward_s", {})
+    report = {"target": {"pid": os.getpid(), "threads": [t.as_dict() for t in process_threads()]},
+              "forward_s": {str(w): list(v) for w, v in sorted(forward.items())}}
+    if proposer is not None and proposer.actor is not None:
+        report.update(metrics=proposer.metrics.as_dict(), draft=proposer.draft_stats(),
+                      draft_threads=proposer.draft_threads())
+    return report
