@@ -32,7 +32,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from vllm_saguaro.core.placement import BIND_ENV, compute_threads
+from vllm_saguaro.core.placement import BIND_ENV, compute_threads, swap_environ
 from vllm_saguaro.vllm_glue.offline import engine_report, shutdown
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "2",
@@ -73,13 +73,16 @@ class System:
     def plugin(self) -> bool:
         return self.kind in ("sync_sd", "ssd")
 
-    def env(self, pair: list[int]) -> dict[str, str | None]:
+    def env(self, pair: list[int], s: "Settings") -> dict[str, str | None]:
         """The engine's environment: vLLM's own binding for the plain-vLLM systems (one or
-        both cores); none for the plugin's, which a user starts without one."""
+        both cores); none for the plugin's, which a user starts without one. The same
+        LD_PRELOAD for all (vLLM's CPU docs: tcmalloc + Intel OpenMP, which made plain
+        vLLM faster here and left SSD where it was; docs/cpu-thread-placement.md)."""
+        env: dict[str, str | None] = {"LD_PRELOAD": s.ld_preload}
         if self.plugin:
-            return {BIND_ENV: None}
+            return {**env, BIND_ENV: None}
         cores = pair[:self.cores]
-        return {BIND_ENV: str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"}
+        return {**env, BIND_ENV: str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"}
 
     @property
     def name(self) -> str:
@@ -140,6 +143,7 @@ class Settings:
     # vLLM's default compiles the target (torch.compile): ~20% faster decode on the reference
     # target, but ~70 s more per engine start; eager for every system unless --compile
     compile: bool = False
+    ld_preload: str | None = None   # LD_PRELOAD of every engine (None: vLLM's own)
 
 
 def settings_for(mode: str) -> Settings:
@@ -171,20 +175,11 @@ def blocks(s: Settings, datasets: list[str]) -> list[list[Group]]:
 @contextmanager
 def environment(env: dict[str, str | None]):
     """os.environ with `env` applied (None = unset) while an engine starts, then restored."""
-    saved = {k: os.environ.get(k) for k in env}
+    saved = swap_environ(env)
     try:
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         yield
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        swap_environ(saved)
 
 
 def make_engine(target: str, spec: dict | None, s: Settings):
@@ -253,9 +248,11 @@ def check_placement(system: "System", where: dict, pair: list[int]) -> None:
         if not any(set(t["cores"]) <= a for a in allowed):
             problems.append(f"target thread {t['name']} may run on {t['cores']}")
     if system.kind in ("ar", "vllm_sd") and system.cores == 2:
-        on_both = [t for t in busy if set(t["cores"]) == set(pair)]
-        if len(on_both) < 2:
-            problems.append(f"{len(on_both)} busy target thread(s) on both cores, expected 2")
+        # GNU OpenMP binds each thread to the place {0,1}; Intel OpenMP one thread per core
+        covered = {c for t in busy for c in t["cores"]}
+        if len(busy) < 2 or covered != set(pair):
+            problems.append(f"{len(busy)} busy target thread(s) covering cores "
+                            f"{sorted(covered)}, expected 2 covering {pair}")
     if system.plugin:
         if draft is None:
             problems.append("no draft worker")
@@ -320,7 +317,7 @@ def run_system(system: System, block: list[Group], prompts: dict[str, list[str]]
                target: str, draft: str, s: Settings) -> list[dict]:
     """One engine for `system`, started as its user would, every group of the block, then
     release."""
-    with environment(system.env(s.pair)):
+    with environment(system.env(s.pair, s)):
         llm = make_engine(target, system.spec(draft, s), s)
     try:
         from vllm import SamplingParams
@@ -532,7 +529,8 @@ def markdown(result: dict) -> str:
     lines = [f"# Benchmark ({m['mode']}), {m['started']}", "",
              f"target `{m['target']}`, draft `{m['draft']}`, {m['max_tokens']} output tokens "
              f"(ignore_eos), decode only, medians over requests, "
-             f"{'compiled' if m['settings'].get('compile') else 'eager'}. Every engine started as "
+             f"{'compiled' if m['settings'].get('compile') else 'eager'}, LD_PRELOAD "
+             f"`{m['settings'].get('ld_preload') or 'vLLM default'}`. Every engine started as "
              f"its user starts it (multiprocess): AR and vLLM-SD bound by "
              f"VLLM_CPU_OMP_THREADS_BIND to core {m['cores'][0]} (`-2c`: to both cores); "
              f"sync-SD and SSD with the plugin's own placement. Speedup is against AR on one "
@@ -766,9 +764,31 @@ def parse_args(argv=None):
     p.add_argument("--compile", action="store_true",
                    help="vLLM's default torch.compile for every engine (default: enforce_eager, "
                    "which starts ~70 s faster per engine)")
+    p.add_argument("--ld-preload", default="docs",
+                   help="LD_PRELOAD of every engine: 'docs' = what vLLM's CPU docs ask for "
+                   "(tcmalloc + Intel OpenMP, found by scripts/cpu_env.sh; the default), "
+                   "'none' = vLLM's own (torch's libgomp), or a path list")
     p.add_argument("--gpu-target-tok-s", type=float, default=GPU_TARGET_TOK_S)
     p.add_argument("--gpu-draft-ms", type=float, default=GPU_DRAFT_STEP_MS)
     return p.parse_args(argv)
+
+
+def resolve_preload(value: str) -> str | None:
+    """'docs' -> tcmalloc + Intel OpenMP as found here (refused if either is missing),
+    'none' -> None, else the value itself."""
+    if value == "none":
+        return None
+    if value != "docs":
+        return value
+    import subprocess
+
+    root = Path(__file__).resolve().parent.parent
+    libs = subprocess.run(["bash", str(root / "scripts" / "cpu_env.sh")], capture_output=True,
+                          text=True).stdout.strip()
+    if "tcmalloc" not in libs or "libiomp" not in libs:
+        raise SystemExit(f"--ld-preload docs: tcmalloc and Intel OpenMP not both found "
+                         f"({libs or 'neither'}); run scripts/install.sh, or pass --ld-preload none")
+    return libs
 
 
 def apply_overrides(s: Settings, args) -> Settings:
@@ -805,6 +825,7 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.fallback = args.fallback
     if args.compile:
         s.compile = True
+    s.ld_preload = resolve_preload(args.ld_preload)
     if args.fit_to_round is not None:
         s.fit_to_round = args.fit_to_round == "on"
     if s.max_tokens < 2:

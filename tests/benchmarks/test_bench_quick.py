@@ -31,6 +31,10 @@ def test_quick_mode_writes_results(tmp_path, tiny_target, tiny_draft):
            "--prompts-file", str(write_prompts(tmp_path / "p.jsonl")),
            "--out", str(out), "--batches", "1", "--max-tokens", "8",
            "--systems", SYSTEMS, "--draft-dtype", "float32"]
+    libs = subprocess.run(["bash", str(ROOT / "scripts" / "cpu_env.sh")], capture_output=True,
+                          text=True).stdout
+    if "tcmalloc" not in libs or "libiomp" not in libs:  # the default needs both
+        cmd += ["--ld-preload", "none"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -65,13 +69,13 @@ def test_overrides_reach_a_valid_plugin_config(tiny_draft):
     from vllm_saguaro.config import load_config
 
     d = str(tiny_draft)
-    args = parse_args(["--quick", "--draft", d, "--saguaro-c", "0.25",
+    args = parse_args(["--quick", "--draft", d, "--ld-preload", "none", "--saguaro-c", "0.25",
                        "--draft-sampling", "greedy", "--fallback", "neural", "--fit-to-round", "off"])
     s = apply_overrides(settings_for("quick"), args)
     cfg = load_config(System("ssd", 3, budget=4).spec(d, s))
     assert (cfg.saguaro_c, cfg.draft_sampling, cfg.fallback) == (0.25, "greedy", "neural")
     assert not cfg.fanout.fit_to_round and cfg.fanout.budget == 4
-    plain = apply_overrides(settings_for("quick"), parse_args(["--draft", d]))
+    plain = apply_overrides(settings_for("quick"), parse_args(["--draft", d, "--ld-preload", "none"]))
     sync = load_config(System("sync_sd", 3).spec(d, plain))
     assert sync.fallback == "auto"  # no --fallback: the plugin's default
     assert load_config(System("ssd", 3).spec(d, plain)).fanout.fit_to_round  # the default: on
@@ -135,12 +139,14 @@ def test_the_benchmark_refuses_threads_that_are_not_where_it_says():
     pair = [0, 1]
     check_placement(System("ar"), _where([_t([0])]), pair)
     check_placement(System("ar", cores=2), _where([_t([0, 1]), _t([0, 1], 0.8)]), pair)
+    check_placement(System("ar", cores=2), _where([_t([0]), _t([1], 0.8)]), pair)  # Intel OpenMP
     ssd = System("ssd", 3)
     # Ray's client threads of the target's process may sit on the draft's core
     check_placement(ssd, _where([_t([0]), _t([1], 0.1, "gcs_client")], [_t([1])]), pair)
     bad = [
         (System("ar"), _where([_t([0, 1])])),                          # unbound target
         (System("ar", cores=2), _where([_t([0, 1])])),                  # one thread on 2 cores
+        (System("ar", cores=2), _where([_t([0]), _t([0], 0.5)])),       # 2 threads, one core
         (ssd, _where([_t([1])], [_t([1])])),                            # target on the draft's core
         (ssd, _where([_t([0])], [_t([0, 1])])),                         # draft free to roam
         (ssd, _where([_t([0])])),                                       # no draft seen

@@ -77,3 +77,14 @@ def test_process_threads_see_a_busy_thread_and_its_affinity():
     assert spinner, f"the spinning thread was not seen as busy: {busy}"
     assert spinner[0]["cores"] == [cores[0]]
     assert all(t["busy_s"] >= 0.3 * wall for t in busy)
+
+
+def test_swap_environ_sets_unsets_and_restores(monkeypatch):
+    from vllm_saguaro.core.placement import swap_environ
+
+    monkeypatch.setenv("SAGUARO_T_A", "1")
+    monkeypatch.delenv("SAGUARO_T_B", raising=False)
+    saved = swap_environ({"SAGUARO_T_A": None, "SAGUARO_T_B": "2"})
+    assert "SAGUARO_T_A" not in os.environ and os.environ["SAGUARO_T_B"] == "2"
+    swap_environ(saved)
+    assert os.environ["SAGUARO_T_A"] == "1" and "SAGUARO_T_B" not in os.environ

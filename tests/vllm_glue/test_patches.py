@@ -196,3 +196,33 @@ def test_forward_timer_counts_each_width():
     times = runner.saguaro_forward_s
     assert sorted(times) == [1, 4] and times[4][0] == 2 and times[1][0] == 1
     assert all(sec >= 0 for _, sec in times.values())
+
+
+def test_automatic_kv_size_leaves_the_draft_its_memory(tiny_draft):
+    from vllm_saguaro.core.placement import draft_memory_reserve
+
+    gib = 2**30
+    ssd = {"draft_device": "cpu", "draft_model": str(tiny_draft)}
+    ckpt = sum(f.stat().st_size for f in tiny_draft.glob("*.safetensors"))
+    assert ckpt > 0
+    reserve = draft_memory_reserve(ckpt)
+    assert patches.kv_size_leaving_the_draft(8 * gib, ssd, explicit=False) == 8 * gib - reserve
+    assert patches.kv_size_leaving_the_draft(8 * gib, ssd, explicit=True) == 8 * gib  # user's
+    assert patches.kv_size_leaving_the_draft(8 * gib, None, explicit=False) == 8 * gib  # no SSD
+    gpu = dict(ssd, draft_device="cuda:1")
+    assert patches.kv_size_leaving_the_draft(8 * gib, gpu, explicit=False) == 8 * gib
+    with pytest.raises(ValueError, match="leaves no room for the draft worker"):
+        patches.kv_size_leaving_the_draft(reserve // 2, ssd, explicit=False)
+
+
+def test_kv_reserve_and_forward_timer_are_installed():
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    patches.apply_all()
+    assert "patch_forward_timer" in GPUModelRunner._model_forward.__qualname__
+    if not current_platform.is_cpu():
+        pytest.skip("the KV reserve applies on CPU builds only")
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    assert "patch_cpu_kv_reserve" in CPUWorker.determine_available_memory.__qualname__

@@ -22,7 +22,7 @@ from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.fallback import RunningMean, ngram_draft, use_neural_fallback
 from vllm_saguaro.core.fanout import AcceptanceFit, budget_that_fits, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
-from vllm_saguaro.core.placement import bind_process, omp_env, process_threads
+from vllm_saguaro.core.placement import bind_process, omp_env, process_threads, swap_environ
 from vllm_saguaro.core.sampling import SamplingSpec, draft_distribution
 from vllm_saguaro.core.theory import expected_tokens_per_round
 from vllm_saguaro.draft.kv import PagedKVCache
@@ -565,9 +565,7 @@ def make_ray_worker(config: dict, target_vocab_size: int):
         here, saved = os.sched_getaffinity(0), {}
         if cores:
             os.sched_setaffinity(0, set(cores))
-            for k, v in omp_env(cores).items():
-                saved[k] = os.environ.get(k)
-                os.environ[k] = v
+            saved = swap_environ(omp_env(cores))
         try:
             # Only small objects cross (outcomes, drafts, q rows): Ray's default object
             # store would reserve 30% of the machine's memory in /dev/shm.
@@ -576,11 +574,7 @@ def make_ray_worker(config: dict, target_vocab_size: int):
                      object_store_memory=OBJECT_STORE_BYTES)
         finally:
             os.sched_setaffinity(0, here)
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+            swap_environ(saved)
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
     if cores:  # OpenMP's threads on the draft's cores, not the target's inherited OMP_PLACES
         env.update(omp_env(cores))

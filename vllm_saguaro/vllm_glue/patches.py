@@ -262,10 +262,15 @@ def patch_cpu_seeded_chunked_prefill() -> None:
     GPUModelRunner._bookkeeping_sync = _bookkeeping_sync
 
 
+def _saguaro_config(vllm_config) -> dict | None:
+    """The Saguaro config (as a dict) the engine runs with, or None without SSD."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    return extra.get("saguaro")
+
+
 def _saguaro_cpu_cores(vllm_config) -> list[int] | None:
     """The draft's cores from the engine's config, when SSD runs its draft on CPU."""
-    extra = getattr(vllm_config, "additional_config", None) or {}
-    cfg = extra.get("saguaro")
+    cfg = _saguaro_config(vllm_config)
     if not cfg or cfg.get("draft_device", "cpu") != "cpu":
         return None
     return cfg.get("draft_cpu_cores")
@@ -311,6 +316,50 @@ def patch_omp_binding() -> None:
             self.cpu_lists, draft)
 
     manager.__init__ = __init__
+
+
+def kv_size_leaving_the_draft(size: int, saguaro: dict | None, explicit: bool) -> int:
+    """vLLM's automatic CPU KV cache size with the draft worker's share taken out
+    (unchanged without SSD on CPU, or when the user gave the size)."""
+    if explicit or not saguaro or saguaro.get("draft_device", "cpu") != "cpu":
+        return size
+    from pathlib import Path
+
+    from vllm_saguaro.core.placement import draft_memory_reserve
+
+    ckpt = sum(f.stat().st_size for f in Path(saguaro["draft_model"]).glob("*.safetensors"))
+    reserve = draft_memory_reserve(ckpt)
+    if size - reserve <= 0:
+        raise ValueError(
+            f"vLLM's automatic KV cache size ({size / 2**30:.2f} GiB) leaves no room for the "
+            f"draft worker ({reserve / 2**30:.2f} GiB): set VLLM_CPU_KVCACHE_SPACE (GiB) or "
+            "kv_cache_memory_bytes, or raise --gpu-memory-utilization")
+    logging.getLogger("vllm_saguaro").info(
+        "Saguaro: automatic KV cache %.2f GiB -> %.2f GiB, leaving %.2f GiB to the draft worker",
+        size / 2**30, (size - reserve) / 2**30, reserve / 2**30)
+    return size - reserve
+
+
+def patch_cpu_kv_reserve() -> None:
+    """Why: without an explicit KV size (VLLM_CPU_KVCACHE_SPACE, kv_cache_memory_bytes),
+    vLLM's CPU worker gives the KV cache everything up to gpu_memory_utilization (0.92 by
+    default) of the memory node, leaving the draft worker on the same machine too little:
+    it was seen killed by Ray's memory monitor. The draft's share comes out of that
+    automatic size (kv_size_leaving_the_draft); an explicit size is the user's and is kept.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not _once("cpu_kv_reserve"):
+        return
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    original = CPUWorker.determine_available_memory
+
+    def determine_available_memory(self) -> int:
+        return kv_size_leaving_the_draft(original(self), _saguaro_config(self.vllm_config),
+                                         self.cache_config.kv_cache_memory_bytes is not None)
+
+    CPUWorker.determine_available_memory = determine_available_memory
 
 
 def patch_forward_timer() -> None:
@@ -364,6 +413,7 @@ def apply_all() -> None:
     patch_cpu_rejection_sampler_expand()
     patch_cpu_seeded_chunked_prefill()
     patch_omp_binding()
+    patch_cpu_kv_reserve()
     patch_forward_timer()
     patch_worker_rpc()
 
