@@ -12,7 +12,8 @@ The plugin uses that mechanism rather than moving threads after the fact
    process, or the API server), and writes the draft's cores into the Saguaro config, so
    every later process (engine core, worker, draft actor) reads the same decision.
 2. ``target_cpu_lists`` takes those cores out of the lists vLLM's binding would use
-   (auto binding), or checks that the user's own binding leaves them free.
+   (auto binding); a user's own binding is kept, once ``plan_draft_cores`` has checked
+   that it leaves the draft's cores free.
 3. The draft worker binds all of its own threads to its cores (``bind_process``).
 
 An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) has vLLM's single-process
@@ -30,7 +31,8 @@ _UNBOUND = ("auto", "nobind", "all", "")
 
 
 def parse_cores(text: str) -> set[int]:
-    """'0-2,5' -> {0, 1, 2, 5} (the syntax of VLLM_CPU_OMP_THREADS_BIND and taskset)."""
+    """'0-2,5' -> {0, 1, 2, 5} (the syntax of VLLM_CPU_OMP_THREADS_BIND and taskset; vLLM's
+    own parse_id_list does the same, but core/ does not import vLLM)."""
     cores: set[int] = set()
     for part in text.split(","):
         part = part.strip()

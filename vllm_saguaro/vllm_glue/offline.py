@@ -5,18 +5,21 @@ from __future__ import annotations
 import gc
 
 
-def find_proposer(llm):
-    """The engine's SaguaroProposer, or None if the engine runs no SSD."""
-    from vllm_saguaro.vllm_glue.proposer import SaguaroProposer
-
-    client = llm.llm_engine.engine_core
-    core = getattr(client, "engine_core", None)
+def _runner(llm):
+    """The model runner of an in-process engine."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     if core is None:
         raise RuntimeError("SSD figures per engine need an in-process engine "
                            "(VLLM_ENABLE_V1_MULTIPROCESSING=0); otherwise read /metrics "
                            "or the 'Saguaro SSD:' log line")
-    runner = core.model_executor.driver_worker.worker.model_runner
-    drafter = getattr(runner, "drafter", None)
+    return core.model_executor.driver_worker.worker.model_runner
+
+
+def find_proposer(llm):
+    """The engine's SaguaroProposer, or None if the engine runs no SSD."""
+    from vllm_saguaro.vllm_glue.proposer import SaguaroProposer
+
+    drafter = getattr(_runner(llm), "drafter", None)
     return drafter if isinstance(drafter, SaguaroProposer) else None
 
 
@@ -31,8 +34,7 @@ def engine_report(llm) -> dict:
     from vllm_saguaro.vllm_glue.proposer import worker_report
 
     if in_process(llm):
-        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
-        return worker_report(find_proposer(llm), runner)
+        return worker_report(find_proposer(llm), _runner(llm))
     return llm.collective_rpc("saguaro_stats")[0]
 
 
