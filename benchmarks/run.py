@@ -43,10 +43,14 @@ ENV = {"VLLM_CPU_KVCACHE_SPACE": "2",
        "RAY_worker_niceness": "0"}
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
-PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s")
+PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s",
+                 "draft_step_s", "unpack_s", "hit_rounds", "hit_reply_s", "miss_reply_s",
+                 "target_rounds", "target_s")
 DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "fast_seqs", "fast_rounds",
                 "branches", "hit_outcomes", "hit_tokens", "neural_outcomes", "neural_tokens",
-                "fast_outcomes", "fast_tokens")
+                "fast_outcomes", "fast_tokens", "miss_k", "miss_bonus", "miss_cut_short",
+                "miss_not_started", "glue_s", "tree_s", "prespec_runs", "prespec_done", "q_bytes",
+                "rounds", "hit_rounds", "wait_hit_s", "wait_miss_s")
 NOT_LOSSLESS = "not lossless on unpatched vllm-cpu 0.32 (plugin patch active here)"
 
 # The paper's GPU setting for --project: Llama-3.1-70B on 4xH100 (TP4) verifies at the
@@ -68,6 +72,7 @@ class System:
     k: int = 0
     cores: int = 1
     budget: int = 8
+    policy: str | None = None   # SSD's fan-out policy (None: the plugin's default)
 
     @property
     def plugin(self) -> bool:
@@ -88,6 +93,8 @@ class System:
     def name(self) -> str:
         base = {"ar": "AR", "vllm_sd": "vLLM-SD", "sync_sd": "sync-SD", "ssd": "SSD"}[self.kind]
         name = base if self.kind == "ar" else f"{base}-K{self.k}"
+        if self.policy:
+            name += "-" + self.policy
         return name + ("-2c" if self.cores == 2 else "")
 
     def spec(self, draft: str, s: "Settings") -> dict | None:
@@ -101,8 +108,13 @@ class System:
                 "log_stats_interval_s": 0}
         if s.fallback:
             spec["fallback"] = s.fallback
+        if s.draft_weights:
+            spec["draft_weights"] = s.draft_weights
         if self.kind == "ssd":
-            spec["fanout"] = {"policy": "geometric", "budget": self.budget}
+            spec["fanout"] = {"budget": self.budget}
+            if self.policy:  # uniform at equal budget: budget / (K + 1) per accepted length
+                spec["fanout"].update(policy=self.policy,
+                                      width=max(1, self.budget // (self.k + 1)))
             if s.fit_to_round is not None:
                 spec["fanout"]["fit_to_round"] = s.fit_to_round
             if s.saguaro_c is not None:
@@ -139,6 +151,8 @@ class Settings:
     draft_sampling: str = "saguaro"  # the plugin's draft_sampling ("greedy": one-hot q)
     fallback: str | None = None      # the plugin's fallback (None: its default, auto)
     fit_to_round: bool | None = None  # the plugin's fanout.fit_to_round (None: its default)
+    policies: list[str] | None = None  # SSD fan-out policies, one SSD system each (None: default)
+    draft_weights: str | None = None   # the plugin's draft_weights (None: its default, auto)
     pair: list[int] = field(default_factory=lambda: [0, 1])  # the two cores the run uses
     # vLLM's default compiles the target (torch.compile): ~20% faster decode on the reference
     # target, but ~70 s more per engine start; eager for every system unless --compile
@@ -155,8 +169,8 @@ def settings_for(mode: str) -> Settings:
 def plan_systems(s: Settings) -> list[System]:
     systems = [System("ar"), System("ar", cores=2)]
     for k in s.ks:
-        systems += [System("vllm_sd", k), System("vllm_sd", k, cores=2),
-                    System("sync_sd", k), System("ssd", k, budget=s.budget)]
+        systems += [System("vllm_sd", k), System("vllm_sd", k, cores=2), System("sync_sd", k)]
+        systems += [System("ssd", k, budget=s.budget, policy=p) for p in (s.policies or [None])]
     if s.systems:
         unknown = set(s.systems) - {x.name for x in systems}
         if unknown:
@@ -373,6 +387,7 @@ def summarize(rec: dict) -> None:
     else:
         rec["hit_rate"] = rec["fallback_rate"] = rec["wait_ms_per_round"] = rec["draft_wait_s"] = rec["fast_rate"] = None
     rec["accept_len_hit"], rec["accept_len_miss"] = accept_len_by_source(c)
+    rec["profile"] = round_profile(rec)
 
 
 def accept_len_by_source(c: dict) -> tuple[float | None, float | None]:
@@ -549,6 +564,7 @@ def markdown(result: dict) -> str:
             f"| {_f(r['speedup'])} | {_f(r['speedup_vs_best_2c'])} | {_f(r['predicted'])} "
             f"| {_f(r.get('predicted_impl'))} | {_f(r['limit'])} | {_f(r['measured_over_limit'])} | {r['note']} |")
     lines += forward_table(result["records"])
+    lines += profile_table(result["records"])
     lines += ["", "threads: the threads that did the work, as `count@cores`, for the target "
               "(T) and the draft worker (D); the run refuses a system whose threads are "
               "elsewhere (benchmarks/README.md).",
@@ -609,6 +625,76 @@ def forward_table(records: list[dict]) -> list[str]:
         cells = [_f(statistics.median(by[(x, w)]), ".1f") if (x, w) in by else "—" for x in systems]
         if sum(c != "—" for c in cells) >= 2:
             lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def round_profile(rec: dict) -> dict | None:
+    """Where an SSD (or sync-SD) round goes, per decode round, from the run's counters.
+
+    round = the target's side (verification, sampling, vLLM's step: from one round's drafts
+    to the next round's call) + the target's wait on the draft, split into: waiting for the
+    pre-speculation in flight, the fallback drafting, the rest of the draft's step (lookups),
+    transport (Ray and (de)serialisation: the reply time the draft did not spend) and
+    unpacking drafts and q into the verifier's tensors. Misses by reason as shares of the
+    lookups (draft/stats.py); reply time on all-hit rounds and on the others.
+    """
+    c = rec["counters"]
+    rounds = c.get("plugin.rounds", 0)
+    if not rounds or "plugin.draft_step_s" not in c:
+        return None
+    ms = lambda x, n=rounds: 1000 * x / n if n else None  # noqa: E731
+    lookups = c["plugin.lookups"]
+    miss_rounds = rounds - c["plugin.hit_rounds"]
+    lat = plugin_latencies(rec) or {}
+    reply = c["plugin.wait_prespec_s"] + c["plugin.wait_step_s"] + c["plugin.unpack_s"]
+    out = {
+        "round_ms": 1000 * lat["round_s"] if lat else None,
+        "target_ms": ms(c["plugin.target_s"], c["plugin.target_rounds"]),
+        "reply_ms": ms(reply),
+        "wait_prespec_ms": ms(c["plugin.wait_prespec_s"]),
+        "fallback_ms": ms(c["draft.fallback_s"]),
+        "lookup_ms": ms(c["plugin.draft_step_s"] - c["draft.fallback_s"]),
+        "transport_ms": ms(c["plugin.wait_step_s"] - c["plugin.draft_step_s"]),
+        "unpack_ms": ms(c["plugin.unpack_s"]),
+        "reply_hit_ms": ms(c["plugin.hit_reply_s"], c["plugin.hit_rounds"]),
+        "reply_miss_ms": ms(c["plugin.miss_reply_s"], miss_rounds),
+        "hit_round_share": c["plugin.hit_rounds"] / rounds,
+        "hit_rate": c["plugin.hits"] / lookups if lookups else None,
+        "glue_ms": ms(c["draft.glue_s"], c["draft.prespec_runs"]),
+        "tree_ms": ms(c["draft.tree_s"], c["draft.prespec_runs"]),
+        "prespec_done": (c["draft.prespec_done"] / c["draft.prespec_runs"]
+                         if c["draft.prespec_runs"] else None),
+        "branches_per_seq": c["draft.branches"] / lookups if lookups else None,
+        "q_kb_per_round": c["draft.q_bytes"] / rounds / 1024,
+    }
+    for r in ("k", "bonus", "cut_short", "not_started"):
+        out[f"miss_{r}"] = c[f"draft.miss_{r}"] / lookups if lookups else None
+    if out["round_ms"]:
+        out["wait_share"] = out["reply_ms"] / out["round_ms"]
+    return out
+
+
+def profile_table(records: list[dict]) -> list[str]:
+    rows = [(r, r.get("profile")) for r in records if r.get("profile")]
+    if not rows:
+        return []
+    lines = ["", "## Round profile (ms per decode round; misses as shares of lookups)", "",
+             "| dataset | T | b | system | round | target | reply | of round | prespec wait "
+             "| fallback | lookup | transport | unpack | reply hit / miss | hit rate "
+             "| miss: k / bonus / cut / not started | glue / tree | branches/seq | q KB/round |",
+             "|" + "---|" * 19]
+    for r, p in rows:
+        lines.append(
+            f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {r['system']} "
+            f"| {_f(p['round_ms'], '.1f')} | {_f(p['target_ms'], '.1f')} | {_f(p['reply_ms'], '.1f')} "
+            f"| {_f(p.get('wait_share'))} | {_f(p['wait_prespec_ms'], '.1f')} "
+            f"| {_f(p['fallback_ms'], '.1f')} | {_f(p['lookup_ms'], '.1f')} "
+            f"| {_f(p['transport_ms'], '.1f')} | {_f(p['unpack_ms'], '.1f')} "
+            f"| {_f(p['reply_hit_ms'], '.1f')} / {_f(p['reply_miss_ms'], '.1f')} "
+            f"| {_f(p['hit_rate'])} | {_f(p['miss_k'])} / {_f(p['miss_bonus'])} / "
+            f"{_f(p['miss_cut_short'])} / {_f(p['miss_not_started'])} "
+            f"| {_f(p['glue_ms'], '.1f')} / {_f(p['tree_ms'], '.1f')} "
+            f"| {_f(p['branches_per_seq'], '.1f')} | {_f(p['q_kb_per_round'], '.0f')} |")
     return lines
 
 
@@ -761,6 +847,13 @@ def parse_args(argv=None):
                    help="the plugin's backup on a cache miss (default: the plugin's, auto)")
     p.add_argument("--fit-to-round", choices=["on", "off"],
                    help="SSD: fanout.fit_to_round (shrink the budget so the tree decode fits the round)")
+    p.add_argument("--policies", help="SSD fan-out policies to compare at equal budget, one SSD "
+                   "system each (SSD-K3-probable, ...), e.g. geometric,uniform,probable")
+    p.add_argument("--draft-weights", choices=["auto", "dtype", "fp16"],
+                   help="the plugin's draft_weights (default: its own, auto)")
+    p.add_argument("--profile", action="store_true",
+                   help="print the round profile of every plugin cell at the end (it is always "
+                        "in latest.md)")
     p.add_argument("--compile", action="store_true",
                    help="vLLM's default torch.compile for every engine (default: enforce_eager, "
                    "which starts ~70 s faster per engine)")
@@ -828,6 +921,10 @@ def apply_overrides(s: Settings, args) -> Settings:
     s.ld_preload = resolve_preload(args.ld_preload)
     if args.fit_to_round is not None:
         s.fit_to_round = args.fit_to_round == "on"
+    if args.policies:
+        s.policies = args.policies.split(",")
+    if args.draft_weights:
+        s.draft_weights = args.draft_weights
     if s.max_tokens < 2:
         raise SystemExit("--max-tokens must be >= 2 (decode time is first to last token)")
     return s
@@ -856,6 +953,8 @@ def main(argv=None) -> dict | None:
     if args.project:
         add_projection(result, args.gpu_target_tok_s, args.gpu_draft_ms)
     write_results(result, out)
+    if args.profile:
+        print("\n".join(profile_table(result["records"])))
     return result
 
 

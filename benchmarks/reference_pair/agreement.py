@@ -90,6 +90,23 @@ def agreement(target, draft, ids: list[int], cont: list[int], head_ids: torch.Te
     return int((at == cut).sum()), int((at == full).sum()), int(at.numel())
 
 
+@torch.no_grad()
+def worker_agreement(target, dm, ids: list[int], cont: list[int]) -> tuple[int, int]:
+    """(matches, positions) with the plugin's own draft model (its head, its quantization),
+    teacher-forced over prompt + continuation in one causal forward."""
+    if not cont:
+        return 0, 0
+    seq = ids + cont[:-1]
+    x = torch.tensor([seq])
+    sl = slice(len(ids) - 1, x.shape[1])
+    at = target(x).logits[0, sl].argmax(-1)
+    t = len(seq)
+    mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    h, _ = dm.forward(x, torch.arange(t)[None], mask)
+    ad = dm.token_ids(dm.logits(h[0, sl]).argmax(-1))
+    return int((at == ad).sum()), int(at.numel())
+
+
 def _median_ms(step, reps: int = 15) -> float:
     times = []
     for r in range(reps + 2):
@@ -117,12 +134,12 @@ def forward_cost(model, n_new: int, ctx: int = 128, reps: int = 15) -> float:
 
 
 def draft_worker_cost(path, n_new: int, dtype=torch.float32, head_tokens: int | None = None,
-                      ctx: int = 128, reps: int = 15) -> float:
+                      ctx: int = 128, reps: int = 15, quantization: str = "none") -> float:
     """Median ms of one forward + logits of the plugin's own draft model (what the draft
     worker runs), n_new tokens over a ctx-token context."""
     from vllm_saguaro.draft.model import DraftModel
 
-    m = DraftModel(path, dtype=dtype, head_tokens=head_tokens)
+    m = DraftModel(path, dtype=dtype, head_tokens=head_tokens, quantization=quantization)
     s = m.spec
     kv = [(torch.randn(1, s.num_kv_heads, ctx, s.head_dim, dtype=dtype),
            torch.randn(1, s.num_kv_heads, ctx, s.head_dim, dtype=dtype)) for _ in range(s.num_layers)]
@@ -143,6 +160,9 @@ def main() -> None:
     ap.add_argument("--head-tokens", type=int, default=HEAD_TOKENS,
                     help="the draft's cut head (draft_head_tokens); 0 = full vocabulary")
     ap.add_argument("-k", type=int, default=3, help="costs at 1, K+1 and 2(K+1) tokens")
+    ap.add_argument("--quantization", choices=["none", "fp16"], default=None,
+                    help="also measure the plugin's own draft model with this draft_quantization "
+                         "(agreement and cost)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -185,6 +205,18 @@ def main() -> None:
             c[0] += a; c[1] += b
         results[name] = {"agreement": m / max(n, 1), "positions": n, "prompts": len(plist),
                          "head_tokens": args.head_tokens or None}
+        if args.quantization:
+            from vllm_saguaro.draft.model import DraftModel
+
+            dm = DraftModel(dpath, torch.float32, head_tokens=args.head_tokens or None,
+                            quantization=args.quantization)
+            wm = wn = 0
+            for ids, cont in zip(plist, conts[key]):
+                a, b = worker_agreement(target, dm, ids, cont)
+                wm += a; wn += b
+            results[name][f"agreement_worker_{args.quantization}"] = wm / max(wn, 1)
+            print(f"{name}: the plugin's draft model, quantization {args.quantization}: "
+                  f"{wm / max(wn, 1):.3f}", flush=True)
         if len(by_cat) > 1:  # where the draft falls short is a hint of what data it lacks
             results[name]["by_category"] = {c: round(a / max(b, 1), 4) for c, (a, b) in by_cat.items()}
             print(f"{name}: by category " + ", ".join(f"{c} {a / max(b, 1):.3f}" for c, (a, b) in by_cat.items()))
@@ -211,6 +243,13 @@ def main() -> None:
                     draft_worker_cost(dpath, n, dt, args.head_tokens or None), 2)
                 print(f"cost draft (plugin worker, head {args.head_tokens or 'full'}) {dt_name} {n} token(s): "
                       f"{ms:.1f} ms = {ms / cost[f'target_hf_{dt_name}_{n}tok_ms']:.2f} of the target", flush=True)
+        if args.quantization:
+            for n in (1, k + 1):
+                cost[f"draft_worker_{args.quantization}_{n}tok_ms"] = ms = round(draft_worker_cost(
+                    dpath, n, torch.float32, args.head_tokens or None,
+                    quantization=args.quantization), 2)
+                print(f"cost draft (plugin worker, {args.quantization}) {n} token(s): {ms:.1f} ms",
+                      flush=True)
         results["cost_ms"] = cost
     print(json.dumps(results, indent=2))
     if args.json_out:

@@ -24,8 +24,8 @@ def hf_greedy(model, tokens, n):
 
 
 def step(w, updates, finished):
-    results, waited = w.step(updates, finished)
-    assert waited >= 0
+    results, waited, compute = w.step(updates, finished)
+    assert waited >= 0 and compute >= 0
     return results
 
 
@@ -231,26 +231,31 @@ def test_fast_backup_drafts_by_prompt_lookup_and_the_next_round_goes_on(tiny_tar
 
 
 def test_fit_to_round_sizes_the_budget_from_measured_times(tiny_target):
-    """The pre-speculation measures its glue pass and per-branch cost; with fit_to_round the
-    next geometric fan-out holds the budget whose tree decode fits the round."""
+    """The pre-speculation measures its glue pass and its tree steps' cost by rows; with
+    fit_to_round the next geometric fan-out holds the budget whose tree decode fits."""
     from vllm_saguaro.core.fallback import RunningMean
+    from vllm_saguaro.core.fanout import StepCost
 
     def run(fit: bool, batch: int):
         w = worker(tiny_target, fanout={"policy": "geometric", "budget": 8, "fit_to_round": fit})
         rids = [f"s{i}" for i in range(batch)]
         specs = [s for s, _, _ in step(w, [(r, None, [5, 17, 99, 3 + i], None) for i, r in enumerate(rids)], [])]
         w.prespeculate()
-        measured = (w.t_glue.value, w.t_branch.value)
-        # a 46 ms round, a 1 ms glue pass, 10 ms per branch (pinned: real timings jitter)
-        w.t_round, w.t_glue, w.t_branch = (RunningMean(v, weight=1e9) for v in (0.046, 0.001, 0.01))
+        measured = (w.t_glue.value, w.step_cost.measured)
+        # a 46 ms round, a 1 ms glue pass, 3 ms + 1 ms per row and step (pinned: real
+        # timings jitter)
+        w.t_round, w.t_glue = (RunningMean(v, weight=1e9) for v in (0.046, 0.001))
+        w.step_cost = StepCost(decay=1.0)
+        for rows in (1, 8):
+            w.step_cost.add(rows, 0.003 + 0.001 * rows)
         nxt = [next(t for t in range(10, 512) if t not in s) for s in specs]
         step(w, [(r, s + [b], None, None) for r, s, b in zip(rids, specs, nxt)], [])
         return measured, w.fanout, w.stats.budget
 
     (glue, branch), fan, budget = run(True, 1)
-    assert glue > 0 and branch > 0
-    assert sum(fan) == budget == 4                          # 45 ms / (1 x 10 ms)
-    assert sum(run(True, 2)[1]) == 2                        # twice the rows, half the budget
+    assert glue > 0 and branch
+    assert sum(fan) == budget == 8                          # 3 x (3 + 8) ms <= 45 ms
+    assert sum(run(True, 2)[1]) == 5                        # 3 x (3 + 2 x 5) ms <= 45 ms
     assert sum(run(False, 2)[1]) == 8                       # off: the configured budget
 
 
@@ -269,4 +274,30 @@ def test_a_cut_short_tree_decode_still_measures_the_branch_cost(tiny_target):
     w.model.forward = forward_then_abort
     w.prespeculate()
     assert w.stats.aborted == 1 and w.seqs["a"].cache is None and len(calls) == 2
-    assert w.t_branch.value > 0 and w.t_glue.value > 0
+    assert w.step_cost.measured and w.t_glue.value > 0
+
+
+def test_probable_selection_spends_the_batch_budget_on_greedy_branches(tiny_target, hf):
+    w = worker(tiny_target, fanout={"policy": "probable", "budget": 5, "fit_to_round": False})
+    prompts = {"a": [5, 17, 99, 3, 250, 7], "b": [9, 8, 7, 300, 301, 302]}
+    out = step(w, [(r, None, p, None) for r, p in prompts.items()], [])
+    w.prespeculate()
+    total = 0
+    for (spec, _, _), (rid, p) in zip(out, prompts.items()):
+        st = w.seqs[rid]
+        assert len(st.confidence) == 3 and all(0 <= c <= 1 for c in st.confidence)
+        assert len(st.cache) >= 1 and set(st.cache.entries) == set(st.roots)
+        total += len(st.cache)
+        for (k, bonus), branch in st.cache.entries.items():
+            if k < 3:
+                assert bonus != spec[k], "the sent token is never a bonus candidate"
+            assert branch.tokens == hf_greedy(hf, p + spec[:k] + [bonus], 3), (rid, k, bonus)
+    assert total == 5 * 2, "budget x batch branches in all"
+    # the verified outcome feeds the calibration; a miss is counted under its reason
+    seen = sum(w.calibration.seen)
+    roots, spec_a = w.seqs["a"].roots, out[0][0]
+    bonus = next(x for x in range(512) if x != spec_a[0] and (0, x) not in roots)
+    reason = "bonus" if any(o.k == 0 for o in roots) else "k"
+    (_, hit, _), = step(w, [("a", [bonus], None, None)], [])
+    assert hit is False and sum(w.calibration.seen) == pytest.approx(seen * 0.998 + 1.0)
+    assert getattr(w.stats, f"miss_{reason}") == 1 and w.stats.lookups == 1

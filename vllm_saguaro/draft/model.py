@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from vllm_saguaro.draft.linear import Linear, fused
+
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 KV = tuple[torch.Tensor, torch.Tensor]  # each [N, Hkv, L, D]
@@ -119,7 +121,8 @@ class DraftModel:
     """Weights as plain tensors; forward() is the whole model."""
 
     def __init__(self, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                 device: str | torch.device = "cpu", head_tokens: int | None = None):
+                 device: str | torch.device = "cpu", head_tokens: int | None = None,
+                 quantization: str = "none"):
         path = Path(path)
         self.spec = spec = DraftSpec.from_dir(path)
         self.dtype, self.device = dtype, torch.device(device)
@@ -141,16 +144,26 @@ class DraftModel:
         if head_tokens is not None and head_tokens < self.lm_head.shape[0]:
             self.head_ids = frequent_token_ids(path, head_tokens).to(self.device)
             self.lm_head = self.lm_head[self.head_ids].contiguous()
+        self.quantization = quantization
+        self.head = Linear(self.lm_head, quantization=quantization)
         self.final_norm = get("model.norm.weight")
+        # q/k/v and gate/up are one matmul each: fewer, larger calls (a CPU draft forward
+        # at batch 1 pays per call), and the split widths below.
+        self.qkv_split = [spec.num_heads * spec.head_dim] + [spec.num_kv_heads * spec.head_dim] * 2
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
-            layer = {n: get(p + n + ".weight") for n in (
-                "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-                "input_layernorm", "post_attention_layernorm")}
-            for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
-                layer[n + ".bias"] = w.get(p + n + ".bias")
+            proj = ("q_proj", "k_proj", "v_proj")
+            layer = {
+                "qkv": fused([get(f"{p}self_attn.{n}.weight") for n in proj],
+                             [w.get(f"{p}self_attn.{n}.bias") for n in proj], quantization),
+                "o_proj": Linear(get(p + "self_attn.o_proj.weight"), quantization=quantization),
+                "gate_up": fused([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")],
+                                 [None, None], quantization),
+                "down_proj": Linear(get(p + "mlp.down_proj.weight"), quantization=quantization),
+                "input_layernorm": get(p + "input_layernorm.weight"),
+                "post_attention_layernorm": get(p + "post_attention_layernorm.weight"),
+            }
             if spec.qk_norm:
                 layer["self_attn.q_norm"] = get(p + "self_attn.q_norm.weight")
                 layer["self_attn.k_norm"] = get(p + "self_attn.k_norm.weight")
@@ -160,10 +173,11 @@ class DraftModel:
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
                 context: list[KV] | None = None, scratch: list[KV] | None = None,
-                ) -> tuple[torch.Tensor, list[KV]]:
+                stop=None) -> tuple[torch.Tensor, list[KV]] | None:
         """input_ids/positions [N, T]; mask [N, 1, T, Lctx + Lscratch + T] (True = attend).
 
-        Returns the final-normed hidden states [N, T, hidden] and each layer's new KV.
+        Returns the final-normed hidden states [N, T, hidden] and each layer's new KV, or
+        None if stop() turned true between two layers (a pre-speculation cut short).
         """
         s = self.spec
         n, t = input_ids.shape
@@ -173,10 +187,10 @@ class DraftModel:
         sin = freqs.sin()[:, None].to(self.dtype)
         new_kv: list[KV] = []
         for i, L in enumerate(self.layers):
+            if stop is not None and stop():
+                return None
             h = _rms(x, L["input_layernorm"], s.rms_eps)
-            q = F.linear(h, L["self_attn.q_proj"], L["self_attn.q_proj.bias"])
-            k = F.linear(h, L["self_attn.k_proj"], L["self_attn.k_proj.bias"])
-            v = F.linear(h, L["self_attn.v_proj"], L["self_attn.v_proj.bias"])
+            q, k, v = L["qkv"](h).to(self.dtype).split(self.qkv_split, dim=-1)
             q = q.view(n, t, s.num_heads, s.head_dim).transpose(1, 2)
             k = k.view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
             v = v.view(n, t, s.num_kv_heads, s.head_dim).transpose(1, 2)
@@ -195,19 +209,27 @@ class DraftModel:
             vv = torch.cat(vs, dim=2) if len(vs) > 1 else v
             a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
             a = a.transpose(1, 2).reshape(n, t, s.num_heads * s.head_dim)
-            x = x + F.linear(a, L["self_attn.o_proj"])
+            x = x + L["o_proj"](a).to(self.dtype)
             h = _rms(x, L["post_attention_layernorm"], s.rms_eps)
-            x = x + F.linear(F.silu(F.linear(h, L["mlp.gate_proj"])) * F.linear(h, L["mlp.up_proj"]),
-                             L["mlp.down_proj"])
+            gate, up = L["gate_up"](h).chunk(2, dim=-1)
+            x = x + L["down_proj"](F.silu(gate) * up).to(self.dtype)
         return _rms(x, self.final_norm, s.rms_eps), new_kv
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the head's tokens; token_ids() maps their indices to vocabulary ids."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.head(hidden).float()
 
     def token_ids(self, head_index: torch.Tensor) -> torch.Tensor:
         return head_index if self.head_ids is None else self.head_ids[head_index]
+
+    def head_index(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(index in the head, whether the token is in it) of vocabulary ids; the fast
+        backup may draft tokens a cut head lacks."""
+        if self.head_ids is None:
+            return token_ids, torch.ones_like(token_ids, dtype=torch.bool)
+        idx = torch.searchsorted(self.head_ids, token_ids).clamp(max=len(self.head_ids) - 1)
+        return idx, self.head_ids[idx] == token_ids
 
 
 FREQUENCY_FILE = "token_frequencies.json"

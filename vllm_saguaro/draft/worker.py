@@ -20,13 +20,17 @@ import torch
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.fallback import RunningMean, ngram_draft, use_neural_fallback
-from vllm_saguaro.core.fanout import AcceptanceFit, budget_that_fits, fanout_for
+from vllm_saguaro.core.fanout import AcceptanceFit, StepCost, budget_that_fits, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.placement import bind_process, omp_env, process_threads, swap_environ
 from vllm_saguaro.core.sampling import SamplingSpec, draft_distribution
+from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
+                                         select_outcomes)
 from vllm_saguaro.core.theory import expected_tokens_per_round
 from vllm_saguaro.draft.kv import PagedKVCache
+from vllm_saguaro.draft.linear import fp16_supported
 from vllm_saguaro.draft.model import DraftModel, check_draft_vocabulary
+from vllm_saguaro.draft.stats import DraftStats
 
 # (request id, tokens sampled this round or None, full token list on (re)sync or None,
 #  the request's SamplingSpec fields on (re)sync or None)
@@ -52,39 +56,8 @@ class SeqState:
     cache: SpeculationCache | None = None   # outcomes pre-speculated for that speculation
     roots: frozenset | None = None          # the outcomes being pre-speculated (after fork)
     source: str = "neural"                  # who drafted spec: "hit" (the cache), "neural", "fast"
-
-
-@dataclass
-class DraftStats:
-    lookups: int = 0
-    hits: int = 0
-    fallback_rounds: int = 0      # rounds in which the neural fallback drafted
-    fallback_seqs: int = 0        # sequences drafted by the fallback (misses + syncs)
-    fast_seqs: int = 0            # misses drafted by the fast backup instead
-    syncs: int = 0                # new or resynchronised sequences
-    branches: int = 0             # branches pre-speculated
-    prespec_s: float = 0.0        # time spent pre-speculating (hidden behind verification)
-    fallback_s: float = 0.0       # time spent drafting on the critical path
-    aborted: int = 0              # pre-speculations cut short by a certain miss
-    lock_wait_s: float = 0.0      # time step() waited for the pre-speculation in flight
-    acceptance_rate: float = 0.0  # the fitted a_p the geometric fan-out now uses
-    budget: int = 0               # the geometric budget per sequence now in use
-    fast_rounds: int = 0          # rounds whose misses the fast backup alone drafted
-    # Verified outcomes and the tokens they gave (accepted + bonus), by who drafted the
-    # speculation: the theory's E_hit and E_miss, and the fast backup's own acceptance.
-    hit_outcomes: int = 0
-    hit_tokens: int = 0
-    neural_outcomes: int = 0
-    neural_tokens: int = 0
-    fast_outcomes: int = 0
-    fast_tokens: int = 0
-
-    def note_outcome(self, source: str, tokens: int) -> None:
-        setattr(self, f"{source}_outcomes", getattr(self, f"{source}_outcomes") + 1)
-        setattr(self, f"{source}_tokens", getattr(self, f"{source}_tokens") + tokens)
-
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
+    aborted: bool = False                   # its pre-speculation was cut short
+    confidence: list[float] | None = None   # the draft's confidence in each token of spec
 
 
 class _Draws:
@@ -113,6 +86,45 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return i
 
 
+def outcome_estimates(logits: torch.Tensor, spec: list[int], sampling: SamplingSpec,
+                      fanout: list[int], c: float, model: DraftModel, width: int,
+                      one_hot: bool = False) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """What the 'probable' selection needs of one sequence, from the glue pass's logits
+    [m + 1, head] over its speculation s_1..s_m: the draft's confidence in each s_j and, at
+    each position j, up to `width` bonus candidates with P(bonus | k = j).
+
+    p_d (the draft's distribution, tempered and masked like the request's; temperature 1
+    at greedy) stands in for the target's p. After a rejection at j the verifier draws the
+    bonus from max(0, p - q) (q = the speculation's sigma, one-hot at greedy); after m
+    acceptances from p itself. Confidence: p_d(s_j) at greedy, min(1, p_d / q) sampled
+    (the acceptance probability if p were p_d). one_hot: the speculation was verified with
+    a one-hot q although the request samples (the fast backup's drafts).
+    """
+    m = len(spec)
+    temp = SamplingSpec(1.0) if sampling.greedy else sampling
+    fan = torch.tensor([fanout[min(j, len(fanout) - 1)] for j in range(m + 1)])
+    p_d = draft_distribution(logits, SamplingSpec(temp.temperature, temp.top_k, temp.top_p),
+                             fan, 1.0)
+    ids, in_head = model.head_index(torch.tensor(spec, dtype=torch.long))
+    rows = torch.arange(m)
+    p_sent = torch.where(in_head, p_d[rows, ids], 0.0)
+    if sampling.greedy or one_hot:
+        conf = p_sent
+        residual = p_d[:m].clone()
+        residual[rows[in_head], ids[in_head]] = 0.0
+    else:  # a sampled speculation's tokens are the head's
+        q = draft_distribution(logits[:m], sampling, fan[:m], c)
+        conf = torch.clamp(p_sent / q[rows, ids].clamp_min(1e-30), max=1.0)
+        residual = (p_d[:m] - q).clamp_min(0.0)
+    residual = residual / residual.sum(-1, keepdim=True).clamp_min(1e-30)
+    dists = torch.cat([residual, p_d[m:]], dim=0)
+    top = torch.topk(dists, min(width, dists.shape[-1]), dim=-1)
+    tokens = model.token_ids(top.indices).tolist()
+    cands = [[(x, p) for x, p in zip(tk, pr) if p > 0.0]
+             for tk, pr in zip(tokens, top.values.tolist())]
+    return conf.tolist(), cands
+
+
 def bind_to_cores(cores: list[int]) -> None:
     """Give the draft a 'device' of its own on CPU machines: its own cores and threads.
 
@@ -122,6 +134,15 @@ def bind_to_cores(cores: list[int]) -> None:
     gave the process."""
     bind_process(cores)
     torch.set_num_threads(len(cores))
+
+
+def draft_weights(cfg: SaguaroConfig, device: torch.device, dtype: str) -> str:
+    """The draft's linear layers (draft/linear.py): fp16 weights where they pay, a float32
+    draft on a CPU with fbgemm; 'none' = in the draft's dtype."""
+    if cfg.draft_weights == "fp16":
+        return "fp16"
+    auto = cfg.draft_weights == "auto" and device.type == "cpu" and dtype == "float32"
+    return "fp16" if auto and fp16_supported() else "none"
 
 
 class DraftWorker:
@@ -140,12 +161,14 @@ class DraftWorker:
         if dtype == "auto":
             dtype = "float32" if device.type == "cpu" else "bfloat16"
         self.model = DraftModel(cfg.draft_model, getattr(torch, dtype), device,
-                                head_tokens=cfg.draft_head_tokens)
+                                head_tokens=cfg.draft_head_tokens,
+                                quantization=draft_weights(cfg, device, dtype))
         s = self.model.spec
         self.device = device
         self.kv = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.model.dtype, device)
         self.K = cfg.num_speculative_tokens
         self.acceptance = AcceptanceFit(cfg.fanout.acceptance_rate)
+        self.calibration = AcceptanceCalibration()  # for the 'probable' outcome selection
         # What the batch-size-aware fallback weighs: tokens per round after each backup,
         # the round time (target verification) and the neural backup's time.
         self.tokens_neural = RunningMean(
@@ -153,9 +176,9 @@ class DraftWorker:
         self.tokens_fast = RunningMean(1.0)  # pessimistic until measured
         self.t_round = RunningMean(0.0, weight=1e-6)
         self.t_neural = RunningMean(0.0, weight=1e-6)
-        # What fit_to_round weighs: the glue pass and one branch row of the tree decode.
+        # What fit_to_round weighs: the glue pass and a tree-decode step by its rows.
         self.t_glue = RunningMean(0.0, weight=1e-6)
-        self.t_branch = RunningMean(0.0, weight=1e-6)
+        self.step_cost = StepCost()
         self._last_return: float | None = None
         self.vocab_size = target_vocab_size
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
@@ -177,9 +200,13 @@ class DraftWorker:
         budget = f.budget
         if f.fit_to_round:
             budget = budget_that_fits(f.budget, batch, self.t_round.value - self.t_glue.value,
-                                      self.t_branch.value)
-        self.stats.budget = budget if f.policy == "geometric" else 0
-        return fanout_for(f.policy, self.K, budget=budget, width=f.width,
+                                      self.step_cost, self.K)
+        self.stats.budget = budget if f.policy != "uniform" else 0
+        self.budget = budget
+        # 'probable' chooses its branches per round (_fork); the geometric counts still give
+        # Saguaro sampling its F (the draft does not know the next round's choice yet).
+        policy = "geometric" if f.policy == "probable" else f.policy
+        return fanout_for(policy, self.K, budget=budget, width=f.width,
                           acceptance_rate=a_p, miss_exponent=f.miss_exponent)
 
     # ----------------------------------------------------------------- protocol
@@ -193,9 +220,11 @@ class DraftWorker:
         """This process and its threads (affinity, CPU time): where the draft really runs."""
         return {"pid": os.getpid(), "threads": [t.as_dict() for t in process_threads()]}
 
-    def step(self, updates: list[Update], finished: list[str]) -> tuple[list[Result], float]:
-        """Commit each sequence's outcome and return its next speculations, and how long
-        this call waited for the pre-speculation in flight.
+    def step(self, updates: list[Update], finished: list[str]
+             ) -> tuple[list[Result], float, float]:
+        """Commit each sequence's outcome and return its next speculations, how long this
+        call waited for the pre-speculation in flight, and how long it then computed
+        (lookups, fallback): the rest of the target's wait is transport.
 
         The flag says True = cache hit, False = cache miss, None = no lookup was possible
         (a new or resynced sequence, or synchronous mode). If some sequence of the batch
@@ -213,7 +242,20 @@ class DraftWorker:
             self.stats.lock_wait_s += wait
             results = self._step(updates, finished)
         self._last_return = time.perf_counter()
-        return results, wait
+        compute = self._last_return - t0 - wait
+        if results:
+            st = self.stats
+            st.rounds += 1
+            hit = all(flag is True for _, flag, _ in results)
+            st.hit_rounds += hit
+            if hit:
+                st.wait_hit_s += wait
+                st.step_hit_s += compute
+            else:
+                st.wait_miss_s += wait
+                st.step_miss_s += compute
+            st.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
+        return results, wait, compute
 
     def _certain_miss(self, update: Update) -> bool:
         rid, sampled, full, _ = update
@@ -241,13 +283,16 @@ class DraftWorker:
                 f"outcome {sampled} of {rid!r} does not extend speculation {st.spec}")
             st.tokens.extend(sampled)
             self.stats.note_outcome(st.source, len(sampled))
+            if st.confidence is not None:
+                self.calibration.observe(st.confidence, len(sampled) - 1)
             if st.source == "fast":
                 self.tokens_fast.add(len(sampled))
             else:
                 self.tokens_neural.add(len(sampled))
                 self.acceptance.observe(len(sampled) - 1, len(st.spec))
             st.source = "neural"
-            cache, st.cache, st.spec, st.roots = st.cache, None, None, None
+            cache, roots, aborted = st.cache, st.roots, st.aborted
+            st.cache, st.spec, st.roots, st.aborted, st.confidence = None, None, None, False, None
             if not self.cfg.async_:
                 misses.append(i)
                 continue
@@ -258,12 +303,14 @@ class DraftWorker:
                 hit = cache.lookup(outcome_from_sampled(sampled))
             if hit is None:
                 misses.append(i)
+                if not self.cfg.force_cache_miss:
+                    self._note_miss(outcome_from_sampled(sampled), cache, roots, aborted)
             else:
                 self.stats.hits += 1
                 st.spec, st.source = hit.tokens, "hit"
                 results[i] = (hit.tokens, True, self._full_q(hit.probs))
         f = self.cfg.fanout
-        if f.policy == "geometric" and (f.fit_acceptance or f.fit_to_round):
+        if f.policy != "uniform" and (f.fit_acceptance or f.fit_to_round):
             self.fanout = self._fanout(len(self.seqs))
             self.stats.acceptance_rate = self.acceptance.rate
         fast = self._fast_backup_rows(updates, misses, looked_up)
@@ -288,6 +335,16 @@ class DraftWorker:
             self.stats.fallback_rounds += 1
             self.stats.fallback_seqs += len(misses)
         return results  # type: ignore[return-value]
+
+    def _note_miss(self, outcome: Outcome, cache, roots, aborted: bool) -> None:
+        """Count the miss under its reason (stats.MISS_REASONS)."""
+        if cache is None:
+            reason = "cut_short" if aborted else "not_started"
+        elif any(o.k == outcome.k for o in roots or ()):
+            reason = "bonus"
+        else:
+            reason = "k"
+        setattr(self.stats, f"miss_{reason}", getattr(self.stats, f"miss_{reason}") + 1)
 
     def _fast_backup_rows(self, updates: list[Update], misses: list[int],
                           looked_up: set[int]) -> set[int]:
@@ -446,46 +503,82 @@ class DraftWorker:
         rids = [r for r, st in self.seqs.items() if st.spec is not None and st.cache is None]
         if not rids:
             return
+        self.stats.prespec_runs += 1
         t0 = time.perf_counter()
-        windows = []
-        for rid in rids:
-            st = self.seqs[rid]
-            glue = st.tokens + st.spec
-            self._keep_kv(rid, glue, limit=len(st.tokens) - 1)
-            windows.append(glue[len(st.kv_tokens):])
-        hidden = self._extend(rids, windows)
-        # Fork: position j predicts the token after t*_prev, s_1..s_j; its top tokens other
-        # than s_{j+1} are the bonus tokens we bet on for outcome k = j.
-        roots: list[list[tuple[int, int]]] = []
-        for rid, h in zip(rids, hidden):
-            spec = self.seqs[rid].spec
-            m = len(spec)
-            logits = self.model.logits(h[-(m + 1):])
-            branches = []
-            for j in range(m + 1):
-                f = self.fanout[j]
-                if f == 0:
-                    continue
-                top = self.model.token_ids(
-                    torch.topk(logits[j], min(f + 1, logits.shape[-1])).indices).tolist()
-                if j < m:
-                    top = [x for x in top if x != spec[j]]
-                branches.extend((j, x) for x in top[:f])
-            roots.append(branches)
-            self.seqs[rid].roots = frozenset(Outcome(j, x) for j, x in branches)
-        self.t_glue.add(time.perf_counter() - t0)
+        hidden = self._glue(rids)
+        roots = self._fork(rids, hidden)
+        t1 = time.perf_counter()
+        self.t_glue.add(t1 - t0)
+        self.stats.glue_s += t1 - t0
         drafted = self._tree_decode(rids, roots)
+        self.stats.tree_s += time.perf_counter() - t1
+        self.stats.prespec_s += time.perf_counter() - t0
         if drafted is None:
             self.stats.aborted += 1
-            self.stats.prespec_s += time.perf_counter() - t0
+            for rid in rids:
+                self.seqs[rid].aborted = True
             return
+        self.stats.prespec_done += 1
         for rid, branches, specs in zip(rids, roots, drafted):
             cache = SpeculationCache()
             for (j, x), spec in zip(branches, specs):
                 cache.put(Outcome(j, x), spec)
             self.seqs[rid].cache = cache
             self.stats.branches += len(branches)
-        self.stats.prespec_s += time.perf_counter() - t0
+
+    def _glue(self, rids: list[str]) -> list[torch.Tensor]:
+        """Glue pass: run the speculation in flight (after the last verified token) into
+        the KV, so every outcome's branch can start from it; hidden states of its
+        m + 1 positions per sequence."""
+        windows = []
+        for rid in rids:
+            st = self.seqs[rid]
+            glue = st.tokens + st.spec
+            self._keep_kv(rid, glue, limit=len(st.tokens) - 1)
+            windows.append(glue[len(st.kv_tokens):])
+        return [h[-(len(self.seqs[r].spec) + 1):] for r, h in zip(rids, self._extend(rids, windows))]
+
+    def _fork(self, rids: list[str], hidden: list[torch.Tensor]) -> list[list[tuple[int, int]]]:
+        """Fork: the outcomes (k, bonus) to pre-speculate for each sequence. Position j
+        predicts the token after t*_prev, s_1..s_j; its likely tokens other than s_{j+1}
+        are the bonus tokens bet on for outcome k = j."""
+        logits = [self.model.logits(h) for h in hidden]
+        if self.cfg.fanout.policy == "probable":
+            roots = self._probable_roots(rids, logits)
+        else:
+            roots = [self._fanout_roots(self.seqs[r].spec, lg) for r, lg in zip(rids, logits)]
+        for rid, branches in zip(rids, roots):
+            self.seqs[rid].roots = frozenset(Outcome(j, x) for j, x in branches)
+        return roots
+
+    def _fanout_roots(self, spec: list[int], logits: torch.Tensor) -> list[tuple[int, int]]:
+        """geometric / uniform: the draft's top F_j tokens at every position j."""
+        branches = []
+        for j in range(len(spec) + 1):
+            f = self.fanout[j]
+            if f == 0:
+                continue
+            top = self.model.token_ids(
+                torch.topk(logits[j], min(f + 1, logits.shape[-1])).indices).tolist()
+            if j < len(spec):
+                top = [x for x in top if x != spec[j]]
+            branches.extend((j, x) for x in top[:f])
+        return branches
+
+    def _probable_roots(self, rids: list[str], logits: list[torch.Tensor]
+                        ) -> list[list[tuple[int, int]]]:
+        """probable: the batch's most likely outcomes by the draft's calibrated estimate
+        (core/selection.py); also keeps each speculation's confidences for calibration."""
+        k_probs, bonus = [], []
+        for rid, lg in zip(rids, logits):
+            st = self.seqs[rid]
+            conf, cands = outcome_estimates(lg, st.spec, st.sampling, self.fanout,
+                                            self.saguaro_c, self.model, self.budget,
+                                            one_hot=st.source == "fast")
+            st.confidence = conf
+            k_probs.append(accepted_length_probs([self.calibration.rate(c) for c in conf]))
+            bonus.append(cands)
+        return select_outcomes(k_probs, bonus, self.budget * len(rids))
 
     def _tree_decode(self, rids: list[str], roots: list[list[tuple[int, int]]],
                      ) -> list[list[Speculation]] | None:
@@ -521,8 +614,12 @@ class DraftWorker:
                 self._note_branch_cost(t0, step, n * nb)
                 return None
             mask = torch.cat([ctx_mask] + [eye] * (step + 1), dim=2)[:, None].to(self.device)
-            hidden, new_kv = self.model.forward(cur.to(self.device), pos.to(self.device), mask,
-                                                context=ctx, scratch=scratch)
+            out = self.model.forward(cur.to(self.device), pos.to(self.device), mask,
+                                     context=ctx, scratch=scratch, stop=self._abort.is_set)
+            if out is None:  # cut short between two layers: a miss waits at most one layer
+                self._note_branch_cost(t0, step + 1, n * nb)  # a lower bound of the cost
+                return None
+            hidden, new_kv = out
             chosen, qs = self._choose(row_rids, hidden.reshape(n * nb, -1), step, origins)
             draws.add(chosen, qs)
             cur = torch.tensor(chosen, dtype=torch.long).view(n, nb)
@@ -536,10 +633,10 @@ class DraftWorker:
         return [specs[i * nb: i * nb + len(roots[i])] for i in range(n)]
 
     def _note_branch_cost(self, t0: float, steps: int, rows: int) -> None:
-        """Seconds per branch row of a K-step tree decode, for fit_to_round; a decode cut
+        """Seconds per tree-decode step at `rows` rows, for fit_to_round; a decode cut
         short counts too, else a budget too big to ever finish would never be measured."""
         if steps:
-            self.t_branch.add((time.perf_counter() - t0) * self.K / (steps * rows))
+            self.step_cost.add(rows, (time.perf_counter() - t0) / steps)
 
 
 OBJECT_STORE_BYTES = 512 * 2**20

@@ -52,13 +52,40 @@ class SaguaroMetrics:
     fallbacks: int = 0
     wait_prespec_s: float = 0.0   # waiting for the pre-speculation in flight (draft too slow)
     wait_step_s: float = 0.0      # lookup + fallback drafting + communication
+    # The round's profile (benchmarks/run.py --profile): the rest of the draft's reply is
+    # transport (Ray, (de)serialisation); the target's side runs from one round's drafts
+    # to the next round's call (verification, sampling, vLLM's scheduling).
+    draft_step_s: float = 0.0     # the draft worker's own compute in step() (lookup, fallback)
+    unpack_s: float = 0.0         # drafts and q into the verifier's tensors
+    hit_rounds: int = 0           # rounds in which every sequence hit
+    hit_reply_s: float = 0.0      # the target's whole wait on those rounds
+    miss_reply_s: float = 0.0     # and on the others (a miss, a new sequence)
+    target_rounds: int = 0
+    target_s: float = 0.0
+    _last_done: float | None = None
     _last_log: float = field(default_factory=time.monotonic)
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
 
-    def record_round(self, flags: list, wait_prespec: float, wait_step: float) -> None:
+    def round_done(self, now: float) -> None:
+        self._last_done = now
+
+    def record_round(self, flags: list, wait_prespec: float, wait_step: float,
+                     draft_s: float = 0.0, unpack_s: float = 0.0,
+                     started: float | None = None) -> None:
+        if started is not None and self._last_done is not None and started - self._last_done < 5.0:
+            self.target_rounds += 1  # not after an idle gap (between requests)
+            self.target_s += started - self._last_done
+        self.draft_step_s += draft_s
+        self.unpack_s += unpack_s
+        reply = wait_prespec + wait_step + unpack_s
+        if flags and all(f is True for f in flags):
+            self.hit_rounds += 1
+            self.hit_reply_s += reply
+        else:
+            self.miss_reply_s += reply
         lookups = sum(f is not None for f in flags)
         hits = sum(f is True for f in flags)
         fallbacks = sum(f is not True for f in flags)
@@ -87,6 +114,5 @@ class SaguaroMetrics:
                 f"(pre-speculation {self.wait_prespec_s:.2f}s, lookup/fallback {self.wait_step_s:.2f}s)")
 
     def as_dict(self) -> dict:
-        return {"rounds": self.rounds, "seqs": self.seqs, "lookups": self.lookups,
-                "hits": self.hits, "hit_rate": self.hit_rate, "fallbacks": self.fallbacks,
-                "wait_prespec_s": self.wait_prespec_s, "wait_step_s": self.wait_step_s}
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_")} | {
+            "hit_rate": self.hit_rate}

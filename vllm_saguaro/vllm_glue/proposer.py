@@ -154,17 +154,21 @@ class SaguaroProposer:
                 ray.get(done[0])
                 self.pending = None
         t0 = time.perf_counter()
-        results, waited = ray.get(self.actor.step.remote(updates, sorted(finished))) \
-            if (updates or finished) else ([], 0.0)
+        results, waited, computed = ray.get(self.actor.step.remote(updates, sorted(finished))) \
+            if (updates or finished) else ([], 0.0, 0.0)
         t1 = time.perf_counter()
         for (row, rid, n), (tokens, _, _) in zip(rows, results):
             drafts[row] = tokens
             self.mirror[rid] = _Mirror(n, tokens)
         if self.cfg.async_ and rows:
             self.pending = self.actor.prespeculate.remote()
+        probs = self._draft_probs(len(req_ids), rows, results)
+        t2 = time.perf_counter()
         if rows:
-            self.metrics.record_round([flag for _, flag, _ in results], waited, t1 - t0 - waited)
-        return drafts, self._draft_probs(len(req_ids), rows, results)
+            self.metrics.record_round([flag for _, flag, _ in results], waited, t1 - t0 - waited,
+                                      draft_s=computed, unpack_s=t2 - t1, started=t0)
+        self.metrics.round_done(time.perf_counter())
+        return drafts, probs
 
     def _draft_probs(self, num_rows: int, rows, results) -> torch.Tensor | None:
         if all(q is None for _, _, q in results):

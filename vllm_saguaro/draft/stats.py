@@ -1,0 +1,66 @@
+"""The draft worker's counters: what the benchmark's profile table is built from.
+
+Cumulative (the benchmark takes differences between two reports), plain numbers so they
+cross Ray and JSON as they are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Why a lookup missed (DraftStats.miss_*):
+#   k          no branch was pre-speculated for the accepted length k
+#   bonus      branches for that k, but not for the bonus token the verifier drew
+#   cut_short  the pre-speculation was cut short (a certain miss elsewhere in the batch)
+#   not_started  no pre-speculation ran for that speculation before its outcome came
+MISS_REASONS = ("k", "bonus", "cut_short", "not_started")
+
+
+@dataclass
+class DraftStats:
+    lookups: int = 0
+    hits: int = 0
+    fallback_rounds: int = 0      # rounds in which the neural fallback drafted
+    fallback_seqs: int = 0        # sequences drafted by the fallback (misses + syncs)
+    fast_seqs: int = 0            # misses drafted by the fast backup instead
+    syncs: int = 0                # new or resynchronised sequences
+    branches: int = 0             # branches pre-speculated
+    prespec_s: float = 0.0        # time spent pre-speculating (hidden behind verification)
+    fallback_s: float = 0.0       # time spent drafting on the critical path
+    aborted: int = 0              # pre-speculations cut short by a certain miss
+    lock_wait_s: float = 0.0      # time step() waited for the pre-speculation in flight
+    acceptance_rate: float = 0.0  # the fitted a_p the geometric fan-out now uses
+    budget: int = 0               # the geometric budget per sequence now in use
+    fast_rounds: int = 0          # rounds whose misses the fast backup alone drafted
+    # Verified outcomes and the tokens they gave (accepted + bonus), by who drafted the
+    # speculation: the theory's E_hit and E_miss, and the fast backup's own acceptance.
+    hit_outcomes: int = 0
+    hit_tokens: int = 0
+    neural_outcomes: int = 0
+    neural_tokens: int = 0
+    fast_outcomes: int = 0
+    fast_tokens: int = 0
+    # The round's profile: why lookups missed, where the draft's time went.
+    miss_k: int = 0
+    miss_bonus: int = 0
+    miss_cut_short: int = 0
+    miss_not_started: int = 0
+    rounds: int = 0               # step() calls with at least one lookup or sync
+    hit_rounds: int = 0           # rounds in which every sequence hit
+    wait_hit_s: float = 0.0       # lock wait (pre-speculation in flight) on all-hit rounds
+    wait_miss_s: float = 0.0      # the same on rounds with a miss or a new sequence
+    step_hit_s: float = 0.0       # step() compute (lookup, fallback) on all-hit rounds
+    step_miss_s: float = 0.0      # the same on the other rounds
+    glue_s: float = 0.0           # pre-speculation: the glue pass (and the fork)
+    tree_s: float = 0.0           # pre-speculation: the tree decode
+    prespec_runs: int = 0
+    prespec_done: int = 0         # pre-speculations that filled their caches
+    q_bytes: int = 0              # bytes of draft distributions q sent to the target
+
+    def note_outcome(self, source: str, tokens: int) -> None:
+        setattr(self, f"{source}_outcomes", getattr(self, f"{source}_outcomes") + 1)
+        setattr(self, f"{source}_tokens", getattr(self, f"{source}_tokens") + tokens)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
