@@ -15,7 +15,8 @@ def draft(tmp_path):
 def test_defaults_and_alias(draft):
     cfg = load_config({"method": "saguaro", "draft_model": str(draft), "async": False})
     assert cfg.async_ is False and cfg.num_speculative_tokens == 4
-    assert cfg.fanout.policy == "geometric" and cfg.fanout.fit_to_round and cfg.saguaro_c == 0.5
+    assert cfg.fanout.policy == "probable" and cfg.fanout.fit_to_round and cfg.saguaro_c == 0.5
+    assert cfg.draft_weights == "auto"
     assert cfg.to_json_dict()["async"] is False
 
 
@@ -37,6 +38,7 @@ def test_yaml_path(tmp_path, draft):
     ({"fanout": {"policy": "geometric", "bugdet": 3}}, "fanout.bugdet: unknown key"),
     ({"draft_device": "gpu1"}, "draft_device"),
     ({"draft_device": "cuda:1", "draft_cpu_cores": [1]}, "draft_cpu_cores applies only"),
+    ({"draft_device": "cuda:1", "draft_weights": "fp16"}, "draft_weights 'fp16' is a CPU kernel"),
     ({"fallback": "random"}, "fallback"),
 ])
 def test_bad_config_names_the_field(draft, bad, field):

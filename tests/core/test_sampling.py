@@ -39,3 +39,22 @@ def test_draft_distribution_temperature():
     assert SamplingSpec(0.0).greedy and not SamplingSpec(0.7).greedy
     assert SamplingSpec(0.7, seed=3).seeded
     assert not SamplingSpec(0.7).seeded and not SamplingSpec(0.0, seed=3).seeded
+
+
+def test_quantized_q_is_exact_on_both_sides_and_sums_to_one():
+    from vllm_saguaro.core.sampling import (Q_SCALE, from_wire, quantize_distribution,
+                                            wire_counts)
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 16384, generator=g) * 3
+    q = torch.softmax(logits, -1)
+    qq = quantize_distribution(q)
+    assert (qq.sum(-1) == 1.0).all(), "exactly a distribution in float32"
+    assert (qq - q).abs().max() <= 1.0 / Q_SCALE
+    counts = wire_counts(qq)
+    assert counts.dtype.name == "uint16" and counts.nbytes == 6 * 16384 * 2
+    assert torch.equal(from_wire(counts), qq), "the verifier gets the very q sampled from"
+    assert (qq > 0).sum() < (q > 0).sum(), "the far tail rounds to 0"
+    one_hot = torch.zeros(1, 10)
+    one_hot[0, 3] = 1.0
+    assert torch.equal(quantize_distribution(one_hot), one_hot)

@@ -126,14 +126,18 @@ def test_sampled_drafts_carry_q_and_seeds_reproduce(tiny_target):
         branches = {o: s.tokens for o, s in w.seqs["a"].cache.entries.items()}
         return toks, q, branches, w
 
-    toks, q, branches, w = run(7)
-    assert q.shape == (3, 512) and abs(q.sum(-1) - 1).max() < 1e-5
-    assert (q[:, 400:] == 0).all(), "q is zero outside the draft head"
+    toks, counts, branches, w = run(7)
+    from vllm_saguaro.core.sampling import Q_SCALE, from_wire
+
+    assert counts.shape == (3, 400) and counts.dtype.name == "uint16", "counts over the head"
+    q = from_wire(counts)
+    assert (counts.sum(-1) == Q_SCALE).all() and (q.sum(-1) == 1).all(), "exactly 1"
+    assert w.head_ids() == list(range(400))
     assert all(q[i, t] > 0 for i, t in enumerate(toks)), "drafted tokens have mass under q"
     for spec in w.seqs["a"].cache.entries.values():
         assert spec.probs.shape == (3, 400)
     toks2, q2, branches2, _ = run(7)
-    assert toks2 == toks and (q2 == q).all() and branches2 == branches
+    assert toks2 == toks and (q2 == counts).all() and branches2 == branches
     assert any(run(s)[0] != toks for s in (8, 9, 10, 11)), "different seeds, same drafts"
 
 

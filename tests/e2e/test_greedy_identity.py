@@ -50,8 +50,8 @@ def run_all(llm, stop_params):
     return out
 
 
-@pytest.mark.parametrize("variant", ["ssd", "forced_miss", "sync_sd", "geometric", "fast_fallback",
-                                     "auto_fallback"])
+@pytest.mark.parametrize("variant", ["ssd", "forced_miss", "sync_sd", "geometric", "probable",
+                                     "fast_fallback", "auto_fallback"])
 def test_greedy_identical(tiny_target, spec_base, reference, variant):
     ref, stop_params = reference
     spec = dict(spec_base)
@@ -64,6 +64,8 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant):
     elif variant == "geometric":
         spec.update(num_speculative_tokens=4,
                     fanout={"policy": "geometric", "budget": 7, "acceptance_rate": 0.5})
+    elif variant == "probable":  # the default selection
+        spec.update(fanout={"policy": "probable", "budget": 5})
     llm = make_llm(tiny_target, spec)
     before = saguaro_counters(llm)
     got = run_all(llm, stop_params)
@@ -87,7 +89,7 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant):
         assert fast_seqs == 0, "the fast backup drafted though fallback is neural"
     if variant in ("forced_miss", "fast_fallback", "auto_fallback"):
         assert hits == 0
-    elif variant in ("ssd", "geometric"):
+    elif variant in ("ssd", "geometric", "probable"):
         assert 0 < hits < lookups, "a perturbed draft should both hit and miss"
 
 

@@ -70,6 +70,8 @@ def test_plain_decoding_matches_exact(tiny_target, exact):
 SETTINGS = {  # (temperature, top_p, spec overrides)
     "T1-C1-uniform": (1.0, 1.0, {"saguaro_c": 1.0, "fanout": {"policy": "uniform", "width": 3}}),
     "T1-C0-geometric": (1.0, 1.0, {"saguaro_c": 0.0, "fanout": {"policy": "geometric", "budget": 8}}),
+    # the defaults: probable selection, C = 0.5
+    "T1-default-probable": (1.0, 1.0, {"fanout": {"policy": "probable", "budget": 8}}),
     "T1.5-topp0.9-C0.5": (1.5, 0.9, {"saguaro_c": 0.5, "fanout": {"policy": "uniform", "width": 2}}),
     # argmax drafts verified with a one-hot q (no q reaches the sampler)
     "T1-greedy-draft": (1.0, 1.0, {"draft_sampling": "greedy"}),

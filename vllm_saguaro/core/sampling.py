@@ -76,3 +76,37 @@ def draft_distribution(logits: torch.Tensor, spec: SamplingSpec, fanout: torch.T
     z = logits.float() / spec.temperature
     z = top_k_top_p_mask(z, spec.top_k, spec.top_p)
     return saguaro_sigma(z.softmax(dim=-1), z, fanout, c)
+
+
+# q crosses from the draft to the verifier as integer counts over the draft head's tokens:
+# q = counts / Q_SCALE exactly (counts < 2^24, a power-of-two scale: exact in float32 on
+# both sides), summing to exactly 1. The draft samples from that very q, so nothing is
+# lost; uint16 over the head is 2 bytes a token where float32 over the vocabulary was 4
+# (x 3 for the reference draft's 16k head in a 49k vocabulary). Each probability moves by
+# less than 1 / Q_SCALE; tokens that round to 0 are never proposed, which the verifier's
+# residual covers (lossless for any q it is told).
+Q_SCALE = 2 ** 15
+
+
+def quantize_distribution(q: torch.Tensor) -> torch.Tensor:
+    """q [R, V] -> q' [R, V] float32 with q' = counts / Q_SCALE, integer counts summing to
+    Q_SCALE per row. Cumulative rounding: counts are the steps of round(cumsum(q) x
+    Q_SCALE), so each is within 1 of q x Q_SCALE and the tail's mass is not piled onto one
+    token, in one pass (a largest-remainder sort costs ~1 ms a row of 16k)."""
+    c = torch.cumsum(q.float(), dim=-1)  # monotone: every count >= 0
+    total = c[:, -1:]
+    if q.shape[0] and not bool(((total - 1).abs() < 1e-3).all()):
+        raise ValueError("quantize_distribution: rows that are not distributions")
+    steps = torch.round(c * (Q_SCALE / total))
+    counts = torch.diff(steps, dim=-1, prepend=torch.zeros_like(steps[:, :1]))
+    return counts.float() / Q_SCALE
+
+
+def wire_counts(q: torch.Tensor):
+    """A quantized q (quantize_distribution) as uint16 counts, what crosses Ray."""
+    return torch.round(q * Q_SCALE).to(torch.int32).numpy().astype("uint16")
+
+
+def from_wire(counts) -> torch.Tensor:
+    """uint16 counts -> the exact float32 q the draft sampled from."""
+    return torch.from_numpy(counts.astype("float32")) / Q_SCALE

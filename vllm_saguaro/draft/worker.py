@@ -23,7 +23,8 @@ from vllm_saguaro.core.fallback import RunningMean, ngram_draft, use_neural_fall
 from vllm_saguaro.core.fanout import AcceptanceFit, StepCost, budget_that_fits, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.placement import bind_process, omp_env, process_threads, swap_environ
-from vllm_saguaro.core.sampling import SamplingSpec, draft_distribution
+from vllm_saguaro.core.sampling import (SamplingSpec, draft_distribution,
+                                        quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
                                          select_outcomes)
 from vllm_saguaro.core.theory import expected_tokens_per_round
@@ -35,7 +36,8 @@ from vllm_saguaro.draft.stats import DraftStats
 # (request id, tokens sampled this round or None, full token list on (re)sync or None,
 #  the request's SamplingSpec fields on (re)sync or None)
 Update = tuple[str, "list[int] | None", "list[int] | None", "tuple | None"]
-# (draft tokens, hit flag, q [len(tokens), V] float32 numpy array or None for greedy)
+# (draft tokens, hit flag, q as uint16 counts [len(tokens), head] (core/sampling.py) or
+#  None for greedy)
 Result = tuple[list[int], "bool | None", object]
 
 # Test-only fault injection: verify with the unmodified draft q instead of the sigma the
@@ -308,7 +310,7 @@ class DraftWorker:
             else:
                 self.stats.hits += 1
                 st.spec, st.source = hit.tokens, "hit"
-                results[i] = (hit.tokens, True, self._full_q(hit.probs))
+                results[i] = (hit.tokens, True, self._wire_q(hit.probs))
         f = self.cfg.fanout
         if f.policy != "uniform" and (f.fit_acceptance or f.fit_to_round):
             self.fanout = self._fanout(len(self.seqs))
@@ -327,7 +329,7 @@ class DraftWorker:
             for i, draft in zip(misses, self._draft_now(rids)):
                 self.seqs[updates[i][0]].spec = draft.tokens
                 results[i] = (draft.tokens, False if i in looked_up else None,
-                              self._full_q(draft.probs))
+                              self._wire_q(draft.probs))
             dt = time.perf_counter() - t0
             if all(i in looked_up for i in misses):  # a prefill would inflate the backup's time
                 self.t_neural.add(dt)
@@ -367,15 +369,14 @@ class DraftWorker:
                                      self.t_neural.value)
         return set() if neural else eligible
 
-    def _full_q(self, probs: torch.Tensor | None):
-        """q over the draft head's tokens -> over the whole vocabulary (zeros elsewhere)."""
-        if probs is None:
-            return None
-        if self.model.head_ids is None:
-            return probs.numpy()
-        full = torch.zeros(probs.shape[0], self.vocab_size, dtype=torch.float32)
-        full[:, self.model.head_ids] = probs
-        return full.numpy()
+    def _wire_q(self, probs: torch.Tensor | None):
+        """q over the draft head's tokens as uint16 counts; the target places them in the
+        vocabulary by head_ids()."""
+        return None if probs is None else wire_counts(probs)
+
+    def head_ids(self) -> list[int] | None:
+        """The vocabulary ids of the draft head's tokens (None: the whole vocabulary)."""
+        return None if self.model.head_ids is None else self.model.head_ids.tolist()
 
     def drop(self, rid: str) -> None:
         self.seqs.pop(rid, None)
@@ -463,7 +464,9 @@ class DraftWorker:
         for (sampling, seeded), rows in groups.items():
             idx = torch.tensor(rows)
             fan = torch.full((len(rows),), self.fanout[step])
-            q = draft_distribution(logits[idx], sampling, fan, self.saguaro_c)
+            # the exact q the verifier is told (sent as counts, core/sampling.py)
+            q = quantize_distribution(draft_distribution(logits[idx], sampling, fan,
+                                                         self.saguaro_c))
             if seeded:
                 for r, row in enumerate(rows):
                     key = hash((sampling.seed, *origins[row], step)) & 0x7FFFFFFFFFFFFFFF
@@ -472,7 +475,7 @@ class DraftWorker:
             else:
                 choice[idx] = torch.multinomial(q, 1, generator=self.generator)[:, 0]
             if self.fault == "unmodified_q":
-                q = draft_distribution(logits[idx], sampling, fan, 1.0)
+                q = quantize_distribution(draft_distribution(logits[idx], sampling, fan, 1.0))
             for r, row in enumerate(rows):
                 qs[row] = q[r]
         return self.model.token_ids(choice).tolist(), qs

@@ -18,7 +18,7 @@ import torch
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.outcome import is_consistent
 from vllm_saguaro.core.placement import process_threads
-from vllm_saguaro.core.sampling import SamplingSpec
+from vllm_saguaro.core.sampling import SamplingSpec, from_wire
 from vllm_saguaro.draft.model import check_draft_vocabulary
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
 
@@ -88,6 +88,7 @@ class SaguaroProposer:
         self.in_process = vllm_config.parallel_config.distributed_executor_backend == "uni"
         self.actor = None
         self.pending = None          # ObjectRef of the last pre-speculation
+        self.head_ids = None         # the draft head's vocabulary ids (q's columns)
         self.mirror: dict[str, _Mirror] = {}
         self.metrics = SaguaroMetrics(self.cfg.log_stats_interval_s)
 
@@ -111,6 +112,8 @@ class SaguaroProposer:
             check_draft_gpu(cfg, self.target_device)
         self.actor = make_ray_worker(cfg.to_json_dict(), self.vocab_size)
         ray.get(self.actor.ping.remote())  # surface load errors (bad checkpoint, vocab) now
+        head = ray.get(self.actor.head_ids.remote())  # where q's columns go in the vocabulary
+        self.head_ids = None if head is None else torch.tensor(head, dtype=torch.long)
         weakref.finalize(self, _kill, self.actor)
         logger.info("Saguaro draft worker ready (%s, cores %s, K=%d, fan-out %s, async=%s)",
                     cfg.draft_device, cfg.draft_cpu_cores, cfg.num_speculative_tokens,
@@ -165,8 +168,11 @@ class SaguaroProposer:
         probs = self._draft_probs(len(req_ids), rows, results)
         t2 = time.perf_counter()
         if rows:
+            # the target's side before a round with a new sequence was its prefill
+            fresh = any(u[1] is None for u in updates)
             self.metrics.record_round([flag for _, flag, _ in results], waited, t1 - t0 - waited,
-                                      draft_s=computed, unpack_s=t2 - t1, started=t0)
+                                      draft_s=computed, unpack_s=t2 - t1,
+                                      started=None if fresh else t0)
         self.metrics.round_done(time.perf_counter())
         return drafts, probs
 
@@ -177,8 +183,10 @@ class SaguaroProposer:
         for (row, _, _), (tokens, _, q) in zip(rows, results):
             if q is None:  # greedy request: q one-hot on the drafted tokens
                 probs[row, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+            elif self.head_ids is None:
+                probs[row, : len(tokens)] = from_wire(q)
             else:
-                probs[row, : len(tokens)].numpy()[...] = q  # Ray's arrays are read-only
+                probs[row, : len(tokens), self.head_ids] = from_wire(q)
         return probs
 
     def draft_stats(self) -> dict:
