@@ -58,3 +58,16 @@ def test_quantized_q_is_exact_on_both_sides_and_sums_to_one():
     one_hot = torch.zeros(1, 10)
     one_hot[0, 3] = 1.0
     assert torch.equal(quantize_distribution(one_hot), one_hot)
+
+
+def test_unpack_counts_places_q_in_the_vocabulary():
+    from vllm_saguaro.core.sampling import quantize_distribution, unpack_counts, wire_counts
+
+    q1 = quantize_distribution(torch.softmax(torch.randn(3, 4), -1))
+    q2 = quantize_distribution(torch.softmax(torch.randn(2, 4), -1))
+    head = torch.tensor([1, 4, 5, 9])
+    out = unpack_counts([wire_counts(q1), wire_counts(q2)], head, 10)
+    assert out.shape == (2, 3, 10)
+    assert torch.equal(out[0][:, head], q1) and torch.equal(out[1, :2][:, head], q2)
+    assert out[1, 2].sum() == 0 and out[:, :, [0, 2, 3, 6, 7, 8]].sum() == 0
+    assert torch.equal(unpack_counts([wire_counts(q1)], None, 4)[0], q1)

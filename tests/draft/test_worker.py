@@ -305,3 +305,22 @@ def test_probable_selection_spends_the_batch_budget_on_greedy_branches(tiny_targ
     (_, hit, _), = step(w, [("a", [bonus], None, None)], [])
     assert hit is False and sum(w.calibration.seen) == pytest.approx(seen * 0.998 + 1.0)
     assert getattr(w.stats, f"miss_{reason}") == 1 and w.stats.lookups == 1
+
+
+def test_probable_never_bets_on_the_rejected_token_when_sampling(tiny_target):
+    """At T > 0 Saguaro sampling lowers q below p_d on the top tokens, so max(0, p_d - q)
+    is positive at the sent token; a rejected token cannot be the bonus all the same."""
+    from vllm_saguaro.core.sampling import SamplingSpec
+    from vllm_saguaro.draft.fork import outcome_estimates
+
+    w = worker(tiny_target, saguaro_c=0.2, fanout={"policy": "probable", "budget": 8})
+    spec = tuple(SamplingSpec(temperature=1.0))
+    (toks, _, _), = step(w, [("a", None, [5, 17, 99, 3], spec)], [])
+    st = w.seqs["a"]
+    hidden = w._glue(["a"])
+    logits = w.model.logits(hidden[0])
+    conf, cands = outcome_estimates(logits, toks, st.sampling, w.fanout, 0.2, w.model, 512)
+    for j in range(3):
+        assert toks[j] not in {x for x, _ in cands[j]}, j
+        assert sum(p for _, p in cands[j]) == pytest.approx(1.0, abs=1e-4)
+    assert all(0 < c <= 1 for c in conf)

@@ -110,3 +110,19 @@ def wire_counts(q: torch.Tensor):
 def from_wire(counts) -> torch.Tensor:
     """uint16 counts -> the exact float32 q the draft sampled from."""
     return torch.from_numpy(counts.astype("float32")) / Q_SCALE
+
+
+def unpack_counts(counts: list, head_ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    """Rows of uint16 counts [K_i, head] -> the exact q [rows, max K_i, vocab] float32 the
+    verifier needs, zero outside the head: one scatter for the whole batch."""
+    k = max(c.shape[0] for c in counts)
+    head = counts[0].shape[1]
+    dense = torch.zeros(len(counts), k, head)
+    for i, c in enumerate(counts):
+        dense[i, : c.shape[0]] = from_wire(c)
+    if head_ids is None:
+        return dense
+    out = torch.zeros(len(counts) * k, vocab)
+    rows = dense.view(-1, head)  # scatter_ with expanded indices: 2x faster than index_copy_
+    out.scatter_(1, head_ids.expand(rows.shape[0], head), rows)
+    return out.view(len(counts), k, vocab)

@@ -28,6 +28,7 @@ from vllm_saguaro.core.sampling import (SamplingSpec, draft_distribution,
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
                                          select_outcomes)
 from vllm_saguaro.core.theory import expected_tokens_per_round
+from vllm_saguaro.draft.fork import fanout_roots, outcome_estimates
 from vllm_saguaro.draft.kv import PagedKVCache
 from vllm_saguaro.draft.linear import fp16_supported
 from vllm_saguaro.draft.model import DraftModel, check_draft_vocabulary
@@ -86,45 +87,6 @@ def _lcp(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
-
-
-def outcome_estimates(logits: torch.Tensor, spec: list[int], sampling: SamplingSpec,
-                      fanout: list[int], c: float, model: DraftModel, width: int,
-                      one_hot: bool = False) -> tuple[list[float], list[list[tuple[int, float]]]]:
-    """What the 'probable' selection needs of one sequence, from the glue pass's logits
-    [m + 1, head] over its speculation s_1..s_m: the draft's confidence in each s_j and, at
-    each position j, up to `width` bonus candidates with P(bonus | k = j).
-
-    p_d (the draft's distribution, tempered and masked like the request's; temperature 1
-    at greedy) stands in for the target's p. After a rejection at j the verifier draws the
-    bonus from max(0, p - q) (q = the speculation's sigma, one-hot at greedy); after m
-    acceptances from p itself. Confidence: p_d(s_j) at greedy, min(1, p_d / q) sampled
-    (the acceptance probability if p were p_d). one_hot: the speculation was verified with
-    a one-hot q although the request samples (the fast backup's drafts).
-    """
-    m = len(spec)
-    temp = SamplingSpec(1.0) if sampling.greedy else sampling
-    fan = torch.tensor([fanout[min(j, len(fanout) - 1)] for j in range(m + 1)])
-    p_d = draft_distribution(logits, SamplingSpec(temp.temperature, temp.top_k, temp.top_p),
-                             fan, 1.0)
-    ids, in_head = model.head_index(torch.tensor(spec, dtype=torch.long))
-    rows = torch.arange(m)
-    p_sent = torch.where(in_head, p_d[rows, ids], 0.0)
-    if sampling.greedy or one_hot:
-        conf = p_sent
-        residual = p_d[:m].clone()
-        residual[rows[in_head], ids[in_head]] = 0.0
-    else:  # a sampled speculation's tokens are the head's
-        q = draft_distribution(logits[:m], sampling, fan[:m], c)
-        conf = torch.clamp(p_sent / q[rows, ids].clamp_min(1e-30), max=1.0)
-        residual = (p_d[:m] - q).clamp_min(0.0)
-    residual = residual / residual.sum(-1, keepdim=True).clamp_min(1e-30)
-    dists = torch.cat([residual, p_d[m:]], dim=0)
-    top = torch.topk(dists, min(width, dists.shape[-1]), dim=-1)
-    tokens = model.token_ids(top.indices).tolist()
-    cands = [[(x, p) for x, p in zip(tk, pr) if p > 0.0]
-             for tk, pr in zip(tokens, top.values.tolist())]
-    return conf.tolist(), cands
 
 
 def bind_to_cores(cores: list[int]) -> None:
@@ -549,24 +511,11 @@ class DraftWorker:
         if self.cfg.fanout.policy == "probable":
             roots = self._probable_roots(rids, logits)
         else:
-            roots = [self._fanout_roots(self.seqs[r].spec, lg) for r, lg in zip(rids, logits)]
+            roots = [fanout_roots(self.model, self.seqs[r].spec, lg, self.fanout)
+                     for r, lg in zip(rids, logits)]
         for rid, branches in zip(rids, roots):
             self.seqs[rid].roots = frozenset(Outcome(j, x) for j, x in branches)
         return roots
-
-    def _fanout_roots(self, spec: list[int], logits: torch.Tensor) -> list[tuple[int, int]]:
-        """geometric / uniform: the draft's top F_j tokens at every position j."""
-        branches = []
-        for j in range(len(spec) + 1):
-            f = self.fanout[j]
-            if f == 0:
-                continue
-            top = self.model.token_ids(
-                torch.topk(logits[j], min(f + 1, logits.shape[-1])).indices).tolist()
-            if j < len(spec):
-                top = [x for x in top if x != spec[j]]
-            branches.extend((j, x) for x in top[:f])
-        return branches
 
     def _probable_roots(self, rids: list[str], logits: list[torch.Tensor]
                         ) -> list[list[tuple[int, int]]]:

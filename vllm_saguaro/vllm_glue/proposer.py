@@ -18,7 +18,7 @@ import torch
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.outcome import is_consistent
 from vllm_saguaro.core.placement import process_threads
-from vllm_saguaro.core.sampling import SamplingSpec, from_wire
+from vllm_saguaro.core.sampling import SamplingSpec, unpack_counts
 from vllm_saguaro.draft.model import check_draft_vocabulary
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
 
@@ -179,14 +179,14 @@ class SaguaroProposer:
     def _draft_probs(self, num_rows: int, rows, results) -> torch.Tensor | None:
         if all(q is None for _, _, q in results):
             return None
-        probs = torch.zeros(num_rows, self.cfg.num_speculative_tokens, self.vocab_size)
-        for (row, _, _), (tokens, _, q) in zip(rows, results):
-            if q is None:  # greedy request: q one-hot on the drafted tokens
+        k = self.cfg.num_speculative_tokens
+        probs = torch.zeros(num_rows, k, self.vocab_size)
+        sampled = [(row, q) for (row, _, _), (_, _, q) in zip(rows, results) if q is not None]
+        q = unpack_counts([c for _, c in sampled], self.head_ids, self.vocab_size)
+        probs[torch.tensor([row for row, _ in sampled]), : q.shape[1]] = q
+        for (row, _, _), (tokens, _, c) in zip(rows, results):
+            if c is None:  # greedy request: q one-hot on the drafted tokens
                 probs[row, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-            elif self.head_ids is None:
-                probs[row, : len(tokens)] = from_wire(q)
-            else:
-                probs[row, : len(tokens), self.head_ids] = from_wire(q)
         return probs
 
     def draft_stats(self) -> dict:

@@ -1,0 +1,104 @@
+"""What sending the draft distributions q to the target costs per round, by wire format.
+
+    python -m benchmarks.q_transport [--rows 1,4,16] [--rounds 30] [--json-out FILE]
+
+A Ray actor (as the draft worker is) returns `rows` sampled rows of K = 3 distributions
+per call; the caller unpacks them into the verifier's [rows, K, vocab] float32 tensor, as
+vllm_glue/proposer.py does. Formats: 'float32-vocab' (q as dense float32 rows over the
+whole 49152-token vocabulary, what crossed before) and 'uint16-head' (exact counts over
+the draft head's 16384 tokens, core/sampling.py, what crosses now). Greedy rows send
+nothing in either. Medians over --rounds calls of the bytes, the round trip and the unpack.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+VOCAB, HEAD, K = 49152, 16384, 3
+
+
+class _Sender:
+    def __init__(self):
+        import torch
+
+        from vllm_saguaro.core.sampling import quantize_distribution
+
+        g = torch.Generator().manual_seed(0)
+        q = torch.softmax(torch.randn(64 * K, HEAD, generator=g) * 2, -1)
+        self.head_q = quantize_distribution(q)
+
+    def send(self, fmt: str, rows: int):
+        import torch
+
+        from vllm_saguaro.core.sampling import wire_counts
+
+        out = []
+        for r in range(rows):
+            q = self.head_q[r * K:(r + 1) * K]
+            if fmt == "float32-vocab":
+                full = torch.zeros(K, VOCAB)
+                full[:, :HEAD] = q
+                out.append(full.numpy())
+            else:
+                out.append(wire_counts(q))
+        return out
+
+
+def measure(actor, fmt: str, rows: int, rounds: int) -> dict:
+    import ray
+    import torch
+
+    from vllm_saguaro.core.sampling import unpack_counts
+
+    head_ids = torch.arange(HEAD)
+    trips, unpacks, nbytes = [], [], 0
+    for _ in range(rounds + 2):
+        t0 = time.perf_counter()
+        qs = ray.get(actor.send.remote(fmt, rows))
+        t1 = time.perf_counter()
+        probs = torch.zeros(rows, K, VOCAB)
+        if fmt == "float32-vocab":
+            for r, q in enumerate(qs):
+                probs[r].numpy()[...] = q
+        else:  # as vllm_glue/proposer.py does
+            probs[torch.arange(rows)] = unpack_counts(qs, head_ids, VOCAB)
+        t2 = time.perf_counter()
+        trips.append(t1 - t0)
+        unpacks.append(t2 - t1)
+        nbytes = sum(q.nbytes for q in qs)
+    ms = lambda xs: round(1000 * statistics.median(xs[2:]), 3)  # noqa: E731
+    return {"format": fmt, "rows": rows, "kb": round(nbytes / 1024, 1),
+            "round_trip_ms": ms(trips), "unpack_ms": ms(unpacks)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="1,4,16")
+    ap.add_argument("--rounds", type=int, default=30)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             object_store_memory=512 * 2**20)
+    actor = ray.remote(num_cpus=0)(_Sender).remote()
+    results = []
+    print("| q format | sampled rows | KB per round | round trip ms | unpack ms |")
+    print("|---|---|---|---|---|")
+    for rows in map(int, args.rows.split(",")):
+        for fmt in ("float32-vocab", "uint16-head"):
+            r = measure(actor, fmt, rows, args.rounds)
+            results.append(r)
+            print(f"| {fmt} | {rows} | {r['kb']} | {r['round_trip_ms']} | {r['unpack_ms']} |",
+                  flush=True)
+    ray.shutdown()
+    if args.json_out:
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
