@@ -49,10 +49,9 @@ class FanoutConfig(BaseModel):
         True, description="geometric: refit a_p from the verified outcomes as decoding goes "
         "(acceptance_rate is then the prior)")
     fit_to_round: bool = Field(
-        True, description="geometric: shrink the per-sequence budget (budget is then the "
-        "maximum) so that the whole batch's tree decode fits in the target's verification "
-        "time, both measured as decoding goes; faster in 10 of 12 measured cells, batches "
-        "1-16 (benchmarks/results/fit_to_round)")
+        True, description="geometric, probable: the per-sequence budget (budget is then the "
+        "maximum) shrinks when a step finds the pre-speculation still running and grows "
+        "back while it fits the target's round (core/fanout.py BudgetControl)")
 
 
 class SaguaroConfig(BaseModel):

@@ -1,6 +1,6 @@
 import pytest
 
-from vllm_saguaro.core.fanout import (AcceptanceFit, StepCost, budget_that_fits, fanout_for, geometric_fanout,
+from vllm_saguaro.core.fanout import (AcceptanceFit, BudgetControl, fanout_for, geometric_fanout,
                                       uniform_fanout)
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.theory import (expected_tokens_per_round, fallback_crossover, sd_speedup,
@@ -91,21 +91,14 @@ def test_acceptance_fit_starts_at_the_prior_and_forgets():
     assert fit.rate < 0.1
 
 
-def test_budget_that_fits_the_round():
-    cost = StepCost(knee=8.0, decay=1.0)
-    assert budget_that_fits(8, 4, 0.1, cost, 3) == 8        # nothing measured yet
-    cost.add(4, 0.004)          # one row count seen: 4 ms at 4 rows, doubling every 8 rows
-    assert cost.coefficients() == pytest.approx((8 / 3000, 1 / 3000))
-    assert budget_that_fits(8, 4, 0.06, cost, 3) == 8       # 3 x (8 + 32) / 3 ms = 40 ms
-    assert budget_that_fits(8, 16, 0.06, cost, 3) == 3      # 3 x (8 + 48) / 3 ms = 56 ms
-    assert budget_that_fits(8, 16, 0.01, cost, 3) == 1      # even one branch each overruns
-    assert budget_that_fits(8, 2, -0.2, cost, 3) == 1       # the glue pass alone overruns
-
-
-def test_step_cost_fits_the_fixed_and_per_row_cost():
-    cost = StepCost(decay=1.0)
-    for rows in (1, 4, 8, 16, 32):
-        cost.add(rows, 0.008 + 0.001 * rows)
-    a, b = cost.coefficients()
-    assert a == pytest.approx(0.008) and b == pytest.approx(0.001)
-    assert cost.seconds(64) == pytest.approx(0.072)
+def test_budget_control_shrinks_on_overrun_and_grows_back():
+    c = BudgetControl(8, patience=2, shrink=0.75)
+    assert c.budget == 8
+    assert c.observe(True) == 6 and c.observe(True) == 4       # the tree decode overran
+    assert c.observe(False) == 4 and c.observe(False) == 5     # two clean rounds: +1
+    for _ in range(20):
+        c.observe(False)
+    assert c.budget == 8, "never above the configured budget"
+    for _ in range(20):
+        c.observe(True)
+    assert c.budget == 1, "never below one branch"

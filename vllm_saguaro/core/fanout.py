@@ -29,58 +29,33 @@ def geometric_fanout(k_max: int, budget: int, acceptance_rate: float, miss_expon
     return _round_to_budget(weights, budget)
 
 
-def budget_that_fits(max_budget: int, batch: int, window_s: float, cost: "StepCost",
-                     steps: int) -> int:
-    """The per-sequence budget whose tree decode fits in the time the target verifies.
+class BudgetControl:
+    """The per-sequence budget that fits the round, found by watching whether it does.
 
-    Pre-speculation must end before the target's round does, or the next step waits for it:
-    at batch 16 a budget of 8 is 128 branch rows per tree step. The tree decode costs
-    steps x cost(batch x budget) seconds, so the budget is the largest whose decode fits.
-    Nothing measured yet: max_budget.
-    """
-    if not cost.measured:
-        return max_budget
-    fits = [b for b in range(1, max_budget + 1) if steps * cost.seconds(batch * b) <= window_s]
-    return fits[-1] if fits else 1
-
-
-class StepCost:
-    """Seconds of one tree-decode step as a + b x rows, fitted online (decayed least squares).
-
-    A draft step is mostly fixed cost at small row counts (reading the weights, per-call
-    overhead: on a CPU core one row takes 9 ms, 32 rows 38 ms for the reference draft), so
-    a cost per row measured at a small budget would forbid ever growing it. Until two row
-    counts have been seen the slope is a prior: the cost doubles every `knee` rows.
+    Pre-speculation must end before the target's next step arrives, or the target waits
+    for it (or, on a certain miss, it is cut short and wasted). So: a step that finds the
+    pre-speculation still running shrinks the budget (x shrink); `patience` steps in a row
+    that find it done grow it by one, up to the configured maximum. A model of the tree
+    decode's cost (fixed + per-row, fitted online) did this before and was measured to
+    shrink the budget at batch 1 where 8 branches fitted (benchmarks/results/selection):
+    the outcome itself needs no model and holds on any hardware.
     """
 
-    def __init__(self, knee: float = 8.0, decay: float = 0.95):
-        self.knee, self.decay = knee, decay
-        self.w = self.x = self.y = self.xx = self.xy = 0.0
+    def __init__(self, max_budget: int, patience: int = 2, shrink: float = 0.75):
+        self.max_budget, self.patience, self.shrink = max_budget, patience, shrink
+        self.budget = max_budget
+        self._clean = 0
 
-    @property
-    def measured(self) -> bool:
-        return self.w > 0
-
-    def add(self, rows: float, seconds: float) -> None:
-        d = self.decay
-        self.w = self.w * d + 1.0
-        self.x = self.x * d + rows
-        self.y = self.y * d + seconds
-        self.xx = self.xx * d + rows * rows
-        self.xy = self.xy * d + rows * seconds
-
-    def coefficients(self) -> tuple[float, float]:
-        mx, my = self.x / self.w, self.y / self.w
-        var = self.xx / self.w - mx * mx
-        if var < 0.25:  # one row count seen: the prior's slope through the measured point
-            b = my / (self.knee + mx)
+    def observe(self, overran: bool) -> int:
+        if overran:
+            self.budget = max(1, int(self.budget * self.shrink))
+            self._clean = 0
         else:
-            b = max((self.xy / self.w - mx * my) / var, 0.0)
-        return max(my - b * mx, 0.0), b
-
-    def seconds(self, rows: float) -> float:
-        a, b = self.coefficients()
-        return a + b * rows
+            self._clean += 1
+            if self._clean >= self.patience:
+                self.budget = min(self.max_budget, self.budget + 1)
+                self._clean = 0
+        return self.budget
 
 
 class AcceptanceFit:

@@ -20,7 +20,7 @@ import torch
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.fallback import RunningMean, ngram_draft, use_neural_fallback
-from vllm_saguaro.core.fanout import AcceptanceFit, StepCost, budget_that_fits, fanout_for
+from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.placement import bind_process, omp_env, process_threads, swap_environ
 from vllm_saguaro.core.sampling import (SamplingSpec, draft_distribution,
@@ -140,9 +140,7 @@ class DraftWorker:
         self.tokens_fast = RunningMean(1.0)  # pessimistic until measured
         self.t_round = RunningMean(0.0, weight=1e-6)
         self.t_neural = RunningMean(0.0, weight=1e-6)
-        # What fit_to_round weighs: the glue pass and a tree-decode step by its rows.
-        self.t_glue = RunningMean(0.0, weight=1e-6)
-        self.step_cost = StepCost()
+        self.budget_control = BudgetControl(cfg.fanout.budget)  # fit_to_round
         self._last_return: float | None = None
         self.vocab_size = target_vocab_size
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
@@ -157,14 +155,14 @@ class DraftWorker:
         # pre-speculation short when its result cannot be used.
         self._lock = threading.Lock()
         self._abort = threading.Event()
+        self._prespec_pending = False  # a pre-speculation ran since the last step
 
-    def _fanout(self, batch: int = 1) -> list[int]:
+    def _fanout(self) -> list[int]:
         f = self.cfg.fanout
         a_p = self.acceptance.rate if f.fit_acceptance else f.acceptance_rate
         budget = f.budget
         if f.fit_to_round:
-            budget = budget_that_fits(f.budget, batch, self.t_round.value - self.t_glue.value,
-                                      self.step_cost, self.K)
+            budget = self.budget_control.budget
         self.stats.budget = budget if f.policy != "uniform" else 0
         self.budget = budget
         # 'probable' chooses its branches per round (_fork); the geometric counts still give
@@ -199,11 +197,15 @@ class DraftWorker:
         t0 = time.perf_counter()
         if self._last_return is not None and t0 - self._last_return < 5.0:  # not idle
             self.t_round.add(t0 - self._last_return)
-        if self._lock.locked() and any(self._certain_miss(u) for u in updates):
+        overran = self._lock.locked()  # the pre-speculation did not fit the round
+        if overran and any(self._certain_miss(u) for u in updates):
             self._abort.set()
         with self._lock:
             wait = time.perf_counter() - t0
             self.stats.lock_wait_s += wait
+            if self._prespec_pending and self.cfg.fanout.fit_to_round:
+                self.budget_control.observe(overran)
+            self._prespec_pending = False
             results = self._step(updates, finished)
         self._last_return = time.perf_counter()
         compute = self._last_return - t0 - wait
@@ -275,7 +277,7 @@ class DraftWorker:
                 results[i] = (hit.tokens, True, self._wire_q(hit.probs))
         f = self.cfg.fanout
         if f.policy != "uniform" and (f.fit_acceptance or f.fit_to_round):
-            self.fanout = self._fanout(len(self.seqs))
+            self.fanout = self._fanout()
             self.stats.acceptance_rate = self.acceptance.rate
         fast = self._fast_backup_rows(updates, misses, looked_up)
         for i in fast:  # deterministic drafts: verified with a one-hot q (None)
@@ -469,11 +471,11 @@ class DraftWorker:
         if not rids:
             return
         self.stats.prespec_runs += 1
+        self._prespec_pending = True
         t0 = time.perf_counter()
         hidden = self._glue(rids)
         roots = self._fork(rids, hidden)
         t1 = time.perf_counter()
-        self.t_glue.add(t1 - t0)
         self.stats.glue_s += t1 - t0
         drafted = self._tree_decode(rids, roots)
         self.stats.tree_s += time.perf_counter() - t1
@@ -560,16 +562,13 @@ class DraftWorker:
         row_rids = [rid for rid in rids for _ in range(nb)]  # rows of the [N * nb] batch
         scratch = None
         draws = _Draws(len(row_rids))
-        t0 = time.perf_counter()
         for step in range(self.K):
             if self._abort.is_set():
-                self._note_branch_cost(t0, step, n * nb)
                 return None
             mask = torch.cat([ctx_mask] + [eye] * (step + 1), dim=2)[:, None].to(self.device)
             out = self.model.forward(cur.to(self.device), pos.to(self.device), mask,
                                      context=ctx, scratch=scratch, stop=self._abort.is_set)
             if out is None:  # cut short between two layers: a miss waits at most one layer
-                self._note_branch_cost(t0, step + 1, n * nb)  # a lower bound of the cost
                 return None
             hidden, new_kv = out
             chosen, qs = self._choose(row_rids, hidden.reshape(n * nb, -1), step, origins)
@@ -580,15 +579,8 @@ class DraftWorker:
                 scratch = new_kv if scratch is None else [
                     (torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2))
                     for (sk, sv), (k, v) in zip(scratch, new_kv)]
-        self._note_branch_cost(t0, self.K, n * nb)
         specs = draws.speculations()
         return [specs[i * nb: i * nb + len(roots[i])] for i in range(n)]
-
-    def _note_branch_cost(self, t0: float, steps: int, rows: int) -> None:
-        """Seconds per tree-decode step at `rows` rows, for fit_to_round; a decode cut
-        short counts too, else a budget too big to ever finish would never be measured."""
-        if steps:
-            self.step_cost.add(rows, (time.perf_counter() - t0) / steps)
 
 
 OBJECT_STORE_BYTES = 512 * 2**20
