@@ -25,13 +25,14 @@ from pathlib import Path
 
 def measure(draft: str, weights: str, batch: int, budget: int, k: int, context: int,
             head_tokens: int | None, reps: int) -> dict:
+    from vllm_saguaro.draft.model import DraftSpec
     from vllm_saguaro.draft.worker import DraftWorker
 
     cfg = {"method": "saguaro", "draft_model": draft, "num_speculative_tokens": k,
            "draft_head_tokens": head_tokens, "draft_weights": weights, "fallback": "neural",
            "fanout": {"policy": "geometric", "budget": budget, "fit_to_round": False,
                       "fit_acceptance": False}}
-    w = DraftWorker(cfg, vocab_size(draft), bind=False)
+    w = DraftWorker(cfg, DraftSpec.from_dir(draft).vocab_size, bind=False)
     rng = random.Random(0)
     rids = [f"r{i}" for i in range(batch)]
     w.step([(r, None, [rng.randrange(1000, 5000) for _ in range(context)], None)
@@ -51,10 +52,6 @@ def measure(draft: str, weights: str, batch: int, budget: int, k: int, context: 
             "prespec_ms": ms(prespec), "glue_ms": ms(glue),
             "tree_ms": round(ms(prespec) - ms(glue), 2), "fallback_ms": ms(fallback),
             "quantization": w.model.quantization}
-
-
-def vocab_size(draft: str) -> int:
-    return json.loads((Path(draft) / "config.json").read_text())["vocab_size"]
 
 
 def main() -> None:

@@ -74,37 +74,28 @@ def greedy_continuations(model, prompts: list[list[int]], n: int, eos: int, batc
 
 
 @torch.no_grad()
-def agreement(target, draft, ids: list[int], cont: list[int], head_ids: torch.Tensor | None = None
-              ) -> tuple[int, int, int]:
-    """(matches, matches with the full head, positions) over the continuation,
-    teacher-forced; with head_ids the draft predicts only among those tokens, as the
-    plugin runs it with draft_head_tokens (one forward of each model serves both)."""
+def agreement(target, draft, ids: list[int], cont: list[int], head_ids: torch.Tensor | None = None,
+              worker=None) -> tuple[int, int, int, int]:
+    """(matches, matches with the full head, matches of the plugin's own draft model,
+    positions) over the continuation, teacher-forced; with head_ids the draft predicts
+    only among those tokens, as the plugin runs it with draft_head_tokens (one forward of
+    each model serves all). worker: the plugin's DraftModel (its head, its draft_weights),
+    run in one causal forward over the same tokens; 0 matches without it."""
     if not cont:
-        return 0, 0, 0
+        return 0, 0, 0, 0
     x = torch.tensor([ids + cont[:-1]])
     sl = slice(len(ids) - 1, x.shape[1])
     at = target(x).logits[0, sl].argmax(-1)
     h = draft.model(x).last_hidden_state[0, sl]
     full = draft.lm_head(h).argmax(-1)
     cut = full if head_ids is None else head_ids[(h @ draft.lm_head.weight[head_ids].t()).argmax(-1)]
-    return int((at == cut).sum()), int((at == full).sum()), int(at.numel())
-
-
-@torch.no_grad()
-def worker_agreement(target, dm, ids: list[int], cont: list[int]) -> tuple[int, int]:
-    """(matches, positions) with the plugin's own draft model (its head, its quantization),
-    teacher-forced over prompt + continuation in one causal forward."""
-    if not cont:
-        return 0, 0
-    seq = ids + cont[:-1]
-    x = torch.tensor([seq])
-    sl = slice(len(ids) - 1, x.shape[1])
-    at = target(x).logits[0, sl].argmax(-1)
-    t = len(seq)
-    mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
-    h, _ = dm.forward(x, torch.arange(t)[None], mask)
-    ad = dm.token_ids(dm.logits(h[0, sl]).argmax(-1))
-    return int((at == ad).sum()), int(at.numel())
+    ours = 0
+    if worker is not None:
+        t = x.shape[1]
+        mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+        hw, _ = worker.forward(x, torch.arange(t)[None], mask)
+        ours = int((worker.token_ids(worker.logits(hw[0, sl]).argmax(-1)) == at).sum())
+    return int((at == cut).sum()), int((at == full).sum()), ours, int(at.numel())
 
 
 def _median_ms(step, reps: int = 15) -> float:
@@ -196,27 +187,25 @@ def main() -> None:
             conts[key] = greedy_continuations(target, plist, args.tokens, eos)
             cont_file.write_text(json.dumps(conts))
             print(f"{name}: target continuations in {time.time() - t0:.0f}s", flush=True)
-        m = m_full = n = 0
-        by_cat: dict[str, list[int]] = {}
-        for ids, cont, cat in zip(plist, conts[key], categories[name]):
-            a, a_full, b = agreement(target, draft, ids, cont, head_ids)
-            m += a; m_full += a_full; n += b
-            c = by_cat.setdefault(cat, [0, 0])
-            c[0] += a; c[1] += b
-        results[name] = {"agreement": m / max(n, 1), "positions": n, "prompts": len(plist),
-                         "head_tokens": args.head_tokens or None}
+        dm = None
         if args.quantization:
             from vllm_saguaro.draft.model import DraftModel
 
             dm = DraftModel(dpath, torch.float32, head_tokens=args.head_tokens or None,
                             quantization=args.quantization)
-            wm = wn = 0
-            for ids, cont in zip(plist, conts[key]):
-                a, b = worker_agreement(target, dm, ids, cont)
-                wm += a; wn += b
-            results[name][f"agreement_worker_{args.quantization}"] = wm / max(wn, 1)
+        m = m_full = m_worker = n = 0
+        by_cat: dict[str, list[int]] = {}
+        for ids, cont, cat in zip(plist, conts[key], categories[name]):
+            a, a_full, a_worker, b = agreement(target, draft, ids, cont, head_ids, dm)
+            m += a; m_full += a_full; m_worker += a_worker; n += b
+            c = by_cat.setdefault(cat, [0, 0])
+            c[0] += a; c[1] += b
+        results[name] = {"agreement": m / max(n, 1), "positions": n, "prompts": len(plist),
+                         "head_tokens": args.head_tokens or None}
+        if dm is not None:
+            results[name][f"agreement_worker_{args.quantization}"] = m_worker / max(n, 1)
             print(f"{name}: the plugin's draft model, quantization {args.quantization}: "
-                  f"{wm / max(wn, 1):.3f}", flush=True)
+                  f"{m_worker / max(n, 1):.3f}", flush=True)
         if len(by_cat) > 1:  # where the draft falls short is a hint of what data it lacks
             results[name]["by_category"] = {c: round(a / max(b, 1), 4) for c, (a, b) in by_cat.items()}
             print(f"{name}: by category " + ", ".join(f"{c} {a / max(b, 1):.3f}" for c, (a, b) in by_cat.items()))

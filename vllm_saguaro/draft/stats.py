@@ -44,12 +44,6 @@ class DraftStats:
     miss_bonus: int = 0
     miss_cut_short: int = 0
     miss_not_started: int = 0
-    rounds: int = 0               # step() calls with at least one lookup or sync
-    hit_rounds: int = 0           # rounds in which every sequence hit
-    wait_hit_s: float = 0.0       # lock wait (pre-speculation in flight) on all-hit rounds
-    wait_miss_s: float = 0.0      # the same on rounds with a miss or a new sequence
-    step_hit_s: float = 0.0       # step() compute (lookup, fallback) on all-hit rounds
-    step_miss_s: float = 0.0      # the same on the other rounds
     glue_s: float = 0.0           # pre-speculation: the glue pass (and the fork)
     tree_s: float = 0.0           # pre-speculation: the tree decode
     prespec_runs: int = 0

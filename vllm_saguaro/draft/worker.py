@@ -142,7 +142,6 @@ class DraftWorker:
         self.t_neural = RunningMean(0.0, weight=1e-6)
         self.budget_control = BudgetControl(cfg.fanout.budget)  # fit_to_round
         self._last_return: float | None = None
-        self.vocab_size = target_vocab_size
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
         self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
         self.fault = os.environ.get(FAULT_ENV, "")
@@ -208,20 +207,9 @@ class DraftWorker:
             self._prespec_pending = False
             results = self._step(updates, finished)
         self._last_return = time.perf_counter()
-        compute = self._last_return - t0 - wait
-        if results:
-            st = self.stats
-            st.rounds += 1
-            hit = all(flag is True for _, flag, _ in results)
-            st.hit_rounds += hit
-            if hit:
-                st.wait_hit_s += wait
-                st.step_hit_s += compute
-            else:
-                st.wait_miss_s += wait
-                st.step_miss_s += compute
-            st.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
-        return results, wait, compute
+        # hit and miss rounds' waits are the proposer's to split (vllm_glue/metrics.py)
+        self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
+        return results, wait, self._last_return - t0 - wait
 
     def _certain_miss(self, update: Update) -> bool:
         rid, sampled, full, _ = update
@@ -264,13 +252,13 @@ class DraftWorker:
                 continue
             self.stats.lookups += 1
             looked_up.add(i)
-            hit = None
+            outcome, hit = outcome_from_sampled(sampled), None
             if cache is not None and not self.cfg.force_cache_miss:  # None: cut short
-                hit = cache.lookup(outcome_from_sampled(sampled))
+                hit = cache.lookup(outcome)
             if hit is None:
                 misses.append(i)
                 if not self.cfg.force_cache_miss:
-                    self._note_miss(outcome_from_sampled(sampled), cache, roots, aborted)
+                    self._note_miss(outcome, cache, roots, aborted)
             else:
                 self.stats.hits += 1
                 st.spec, st.source = hit.tokens, "hit"
