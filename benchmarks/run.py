@@ -45,7 +45,7 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s",
                  "draft_step_s", "unpack_s", "hit_rounds", "hit_reply_s", "miss_reply_s",
-                 "target_rounds", "target_s")
+                 "target_rounds", "target_s", "plain_rounds", "idle_rounds")
 DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "fast_seqs", "fast_rounds",
                 "branches", "hit_outcomes", "hit_tokens", "neural_outcomes", "neural_tokens",
                 "fast_outcomes", "fast_tokens", "miss_k", "miss_bonus", "miss_cut_short",
@@ -72,6 +72,8 @@ class System:
     cores: int = 1
     budget: int = 8
     policy: str | None = None   # SSD's fan-out policy (None: the plugin's default)
+    controller: str | None = None   # the plugin's controller policy (None: its default, auto)
+    schedule: tuple | None = None   # vLLM's num_speculative_tokens_per_batch_size
 
     @property
     def plugin(self) -> bool:
@@ -94,6 +96,10 @@ class System:
         name = base if self.kind == "ar" else f"{base}-K{self.k}"
         if self.policy:
             name += "-" + self.policy
+        if self.controller:
+            name += "-" + self.controller
+        if self.schedule:
+            name += "-sched"
         return name + ("-2c" if self.cores == 2 else "")
 
     def spec(self, draft: str, s: "Settings") -> dict | None:
@@ -109,6 +115,10 @@ class System:
             spec["fallback"] = s.fallback
         if s.draft_weights:
             spec["draft_weights"] = s.draft_weights
+        if self.controller:
+            spec["controller"] = {"policy": self.controller}
+        if self.schedule:
+            spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in self.schedule]
         if self.kind == "ssd":
             spec["fanout"] = {"budget": self.budget}
             if self.policy:  # uniform at equal budget: budget / (K + 1) per accepted length
@@ -157,6 +167,7 @@ class Settings:
     # target, but ~70 s more per engine start; eager for every system unless --compile
     compile: bool = False
     ld_preload: str | None = None   # LD_PRELOAD of every engine (None: vLLM's own)
+    schedule: tuple | None = None   # the SSD-...-sched systems' schedule (None: SCHEDULE)
 
 
 def settings_for(mode: str) -> Settings:
@@ -165,11 +176,22 @@ def settings_for(mode: str) -> Settings:
     return Settings("full", 128, [1, 2, 4, 8, 16], [0.0, 1.0], [2, 3, 4], 8, None)
 
 
+# The best hand-written vLLM schedule (num_speculative_tokens_per_batch_size) found for SSD
+# on the reference pair (issue 19's baseline): K=3 at batch 1-2, 2 at 3-4, 1 at 5-8, none
+# above, where the grids before the controller had SSD below the target alone.
+SCHEDULE = ((1, 2, 3), (3, 4, 2), (5, 8, 1), (9, 1024, 0))
+
+
 def plan_systems(s: Settings) -> list[System]:
     systems = [System("ar"), System("ar", cores=2)]
     for k in s.ks:
         systems += [System("vllm_sd", k), System("vllm_sd", k, cores=2), System("sync_sd", k)]
         systems += [System("ssd", k, budget=s.budget, policy=p) for p in (s.policies or [None])]
+        # the controller's baselines: K pinned, and pinned per batch size by vLLM's schedule
+        systems += [System("ssd", k, budget=s.budget, controller="fixed"),
+                    System("ssd", k, budget=s.budget, controller="fixed",
+                           schedule=s.schedule or SCHEDULE),
+                    System("sync_sd", k, controller="fixed")]
     if s.systems:
         unknown = set(s.systems) - {x.name for x in systems}
         if unknown:
@@ -213,6 +235,7 @@ def snapshot(llm) -> tuple[dict, dict]:
     report = engine_report(llm)
     if "metrics" in report:
         snap.update({f"plugin.{k}": v for k, v in report["metrics"].items() if k in PLUGIN_FIELDS})
+        snap.update({f"plugin.sent_{n}": v for n, v in enumerate(report["metrics"].get("sent", []))})
         snap.update({f"draft.{k}": v for k, v in report["draft"].items() if k in DRAFT_FIELDS})
     return snap, report
 
@@ -243,11 +266,12 @@ def forward_ms(before: dict, after: dict, min_calls: int = 5) -> dict[str, float
     return out
 
 
-def check_placement(system: "System", where: dict, pair: list[int]) -> None:
+def check_placement(system: "System", where: dict, pair: list[int], draft_idle: bool = False) -> None:
     """Refuse to report a system whose threads are not where its name says: the target's
     busy threads on its cores (one core, or both for -2c), and for the plugin every
     thread of the draft worker on the other core (Ray's client threads in the target's
-    process may sit there too, never on the target's core)."""
+    process may sit there too, never on the target's core). draft_idle: the controller
+    left the draft idle (speculation could not pay), so it may have had no work to do."""
     target, draft = where["target"], where["draft"]
     want = pair[:system.cores] if not system.plugin else pair[:1]
     allowed = [set(want)] + ([set(pair[1:])] if system.plugin else [])
@@ -271,7 +295,7 @@ def check_placement(system: "System", where: dict, pair: list[int]) -> None:
             problems.append("no draft worker")
         elif draft["all_cores"] != pair[1:]:
             problems.append(f"draft threads on cores {draft['all_cores']}, expected {pair[1:]}")
-        elif not draft["busy_threads"]:
+        elif not draft["busy_threads"] and not draft_idle:
             problems.append("the draft worker did no work")
     if problems:
         raise SystemExit(f"{system.name}: threads not where the benchmark says "
@@ -318,11 +342,15 @@ def run_group(llm, system: System, group: Group, prompts: list[str], s: Settings
     wall = time.perf_counter() - t_group
     after, report1 = snapshot(llm)
     where = placement(report0, report1, wall)
-    check_placement(system, where, s.pair)
+    counters = diff(after, before)
+    rounds = counters.get("plugin.rounds", 0) + counters.get("plugin.idle_rounds", 0)
+    idle = counters.get("plugin.idle_rounds", 0) > 0 or (
+        rounds > 0 and counters.get("plugin.plain_rounds", 0) == rounds)
+    check_placement(system, where, s.pair, draft_idle=idle)
     return {"system": system.name, "kind": system.kind, "k": system.k, "cores": system.cores,
             **asdict(group), "max_tokens": s.max_tokens, "n_requests": len(per_tok),
             "n_chunks": len(spans), "per_token_s": per_tok, "spans_s": spans,
-            "wall_s": walls, "counters": diff(after, before), "placement": where,
+            "wall_s": walls, "counters": counters, "placement": where,
             "forward_ms": forward_ms(report0, report1)}
 
 
@@ -387,6 +415,21 @@ def summarize(rec: dict) -> None:
         rec["hit_rate"] = rec["fallback_rate"] = rec["wait_ms_per_round"] = rec["draft_wait_s"] = rec["fast_rate"] = None
     rec["accept_len_hit"], rec["accept_len_miss"] = accept_len_by_source(c)
     rec["profile"] = round_profile(rec)
+    rec["lengths"] = lengths_sent(rec)
+
+
+def lengths_sent(rec: dict) -> dict | None:
+    """What the controller sent: shares of sequence-rounds by length 0..K, and of rounds
+    that were plain decoding (and, of those, with the draft left idle)."""
+    c = rec["counters"]
+    sent = [c.get(f"plugin.sent_{n}", 0) for n in range(rec["k"] + 1)]
+    if not sum(sent):
+        return None
+    rounds = c.get("plugin.rounds", 0) + c.get("plugin.idle_rounds", 0)
+    return {"shares": [x / sum(sent) for x in sent],
+            "mean": sum(n * x for n, x in enumerate(sent)) / sum(sent),
+            "plain_share": c.get("plugin.plain_rounds", 0) / rounds if rounds else None,
+            "idle_share": c.get("plugin.idle_rounds", 0) / rounds if rounds else None}
 
 
 def accept_len_by_source(c: dict) -> tuple[float | None, float | None]:
@@ -418,11 +461,13 @@ def plugin_latencies(rec: dict) -> dict | None:
     """
     c = rec["counters"]
     rounds = c.get("plugin.rounds", 0)
-    decode_rounds = rounds - rec["n_chunks"]
-    if decode_rounds <= 0:
+    # rounds the proposer answered without the draft (the controller left it idle) are
+    # rounds of the span too, with no wait
+    decode_rounds = rounds + c.get("plugin.idle_rounds", 0) - rec["n_chunks"]
+    if decode_rounds <= 0 or not rounds:
         return None
     round_s = sum(rec["spans_s"]) / decode_rounds
-    wait = (c["plugin.wait_prespec_s"] + c["plugin.wait_step_s"]) / rounds
+    wait = (c["plugin.wait_prespec_s"] + c["plugin.wait_step_s"]) / (decode_rounds + rec["n_chunks"])
     fb_rounds = c.get("draft.fallback_rounds", 0)
     # rounds with a miss: the neural backup's, and those the fast backup alone drafted
     # (nearly free); older results lack the second count
@@ -564,6 +609,8 @@ def markdown(result: dict) -> str:
             f"| {_f(r.get('predicted_impl'))} | {_f(r['limit'])} | {_f(r['measured_over_limit'])} | {r['note']} |")
     lines += forward_table(result["records"])
     lines += profile_table(result["records"])
+    lines += lengths_table(result["records"])
+    lines += goal_table(result["records"])
     lines += ["", "threads: the threads that did the work, as `count@cores`, for the target "
               "(T) and the draft worker (D); the run refuses a system whose threads are "
               "elsewhere (benchmarks/README.md).",
@@ -694,6 +741,48 @@ def profile_table(records: list[dict]) -> list[str]:
             f"{_f(p['miss_cut_short'])} / {_f(p['miss_not_started'])} "
             f"| {_f(p['glue_ms'], '.1f')} / {_f(p['tree_ms'], '.1f')} "
             f"| {_f(p['branches_per_seq'], '.1f')} | {_f(p['q_kb_per_round'], '.0f')} |")
+    return lines
+
+
+def lengths_table(records: list[dict]) -> list[str]:
+    rows = [(r, r["lengths"]) for r in records if r.get("lengths")]
+    if not rows:
+        return []
+    lines = ["", "## Lengths sent (the controller; shares of sequence-rounds)", "",
+             "| dataset | T | b | system | 0 / 1 / .. / K | mean length | plain-decoding rounds "
+             "| draft idle | accept len |", "|" + "---|" * 9]
+    for r, x in rows:
+        lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {r['system']} "
+                     f"| {' / '.join(f'{v:.2f}' for v in x['shares'])} | {x['mean']:.2f} "
+                     f"| {_f(x['plain_share'])} | {_f(x['idle_share'])} | {_f(r['accept_len'])} |")
+    return lines
+
+
+def goal_table(records: list[dict]) -> list[str]:
+    """Issue 19's goals per cell: SSD (the plugin's defaults) against the best of the
+    target alone (1 and 2 cores), the best SD (vLLM's draft_model at any K run, the
+    plugin's sync SD) and SSD with K pinned and with vLLM's hand-written schedule."""
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in records:
+        cells.setdefault((r["dataset"], r["temperature"], r["batch"]), {})[r["system"]] = r["tok_s_total"]
+    lines = []
+    for (d, t, b), got in sorted(cells.items()):
+        ssd = {n: v for n, v in got.items() if n.startswith("SSD-") and n.count("-") == 1}
+        if not ssd:
+            continue
+        name, v = next(iter(ssd.items()))
+        best = lambda pred: max((x for n, x in got.items() if pred(n) and x), default=None)  # noqa: E731
+        refs = {"target alone": best(lambda n: n.startswith("AR")),
+                "best SD": best(lambda n: n.startswith(("vLLM-SD", "sync-SD"))),
+                "SSD fixed K": best(lambda n: n.startswith("SSD-") and n.endswith("-fixed")),
+                "SSD schedule": best(lambda n: n.endswith("-sched"))}
+        if not lines:
+            lines = ["", "## Goals (issue 19): the plugin's default SSD over each baseline "
+                     "(tok/s total; >= 0.97 over the target alone, >= 1 over the others)", "",
+                     "| dataset | T | b | system | " + " | ".join(f"/ {k}" for k in refs) + " |",
+                     "|" + "---|" * (4 + len(refs))]
+        lines.append(f"| {d} | {t:g} | {b} | {name} | " + " | ".join(
+            _f(v / x) if x else "—" for x in refs.values()) + " |")
     return lines
 
 
@@ -850,6 +939,9 @@ def parse_args(argv=None):
                    "system each (SSD-K3-probable, ...), e.g. geometric,uniform,probable")
     p.add_argument("--draft-weights", choices=["auto", "dtype", "fp16"],
                    help="the plugin's draft_weights (default: its own, auto)")
+    p.add_argument("--schedule", help="the SSD-K*-fixed-sched systems' vLLM schedule "
+                   "num_speculative_tokens_per_batch_size as first-last:K,... (default "
+                   "1-2:3,3-4:2,5-8:1,9-1024:0)")
     p.add_argument("--profile", action="store_true",
                    help="print the round profile of every plugin cell at the end (it is always "
                         "in latest.md)")
@@ -881,6 +973,16 @@ def resolve_preload(value: str) -> str | None:
         raise SystemExit(f"--ld-preload docs: tcmalloc and Intel OpenMP not both found "
                          f"({libs or 'neither'}); run scripts/install.sh, or pass --ld-preload none")
     return libs
+
+
+def parse_schedule(text: str) -> tuple:
+    """'1-2:3,3-8:1' -> ((1, 2, 3), (3, 8, 1))"""
+    out = []
+    for part in text.split(","):
+        rng, k = part.split(":")
+        lo, hi = rng.split("-")
+        out.append((int(lo), int(hi), int(k)))
+    return tuple(out)
 
 
 def apply_overrides(s: Settings, args) -> Settings:
@@ -922,6 +1024,8 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.fit_to_round = args.fit_to_round == "on"
     if args.policies:
         s.policies = args.policies.split(",")
+    if args.schedule:
+        s.schedule = parse_schedule(args.schedule)
     if args.draft_weights:
         s.draft_weights = args.draft_weights
     if s.max_tokens < 2:

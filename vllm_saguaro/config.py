@@ -54,6 +54,42 @@ class FanoutConfig(BaseModel):
         "back while it fits the target's round (core/fanout.py BudgetControl)")
 
 
+class ControllerConfig(BaseModel):
+    """The speculation-length controller (core/controller.py): every step, how many draft
+    tokens each sequence sends, 0..K, and who drafts a miss, for the most expected tokens
+    per second of the batch. ``fixed`` pins K (every sequence sends K tokens every step,
+    as plain SD does; the fallback is still chosen by the same objective)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Literal["auto", "fixed"] = Field(
+        "auto", description="auto: lengths 0..K per sequence and step from the measured "
+        "costs and the calibrated acceptance; fixed: always K")
+    token_cost: float = Field(
+        0.05, ge=0.0, le=10.0, description="prior cost of one more verified token, as a "
+        "fraction of the target's fixed step cost, until the widths seen identify it")
+    target_fixed_s: float | None = Field(
+        None, gt=0.0, description="measured target step cost: t(w) = target_fixed_s + "
+        "target_per_token_s x w (written by `vllm-saguaro tune`; refined online)")
+    target_per_token_s: float | None = Field(None, ge=0.0, description="see target_fixed_s")
+    idle: bool = Field(
+        True, description="while speculation cannot pay at the batch size running (not even "
+        "with every lookup a hit), the draft is not called at all: plain decoding")
+    force_lengths: list[int] | None = Field(
+        None, description="testing switch: row i of round r sends force_lengths[(i + r) % n] "
+        "tokens (capped by what it has); the losslessness tests use it for mixed lengths")
+
+    @model_validator(mode="after")
+    def _prior_pair(self) -> "ControllerConfig":
+        if (self.target_fixed_s is None) != (self.target_per_token_s is None):
+            raise ValueError("controller.target_fixed_s and target_per_token_s go together "
+                             "(both measured by `vllm-saguaro tune`), or neither")
+        if self.force_lengths is not None and (not self.force_lengths
+                                               or any(x < 0 for x in self.force_lengths)):
+            raise ValueError("controller.force_lengths must be a non-empty list of lengths >= 0")
+        return self
+
+
 class SaguaroConfig(BaseModel):
     """Everything the plugin needs; see configs/saguaro.yaml for a documented example."""
 
@@ -63,6 +99,11 @@ class SaguaroConfig(BaseModel):
     draft_model: str = Field(..., description="path to a HF Llama/Qwen2/Qwen3 draft checkpoint")
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="K, draft tokens per round")
     fanout: FanoutConfig = Field(default_factory=FanoutConfig)
+    controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = Field(
+        None, description="vLLM's hand-written schedule, (first batch size, last batch size, "
+        "K) per range: the most tokens a sequence may send at that batch size (the "
+        "controller chooses below it)")
     saguaro_c: float = Field(
         0.5, ge=0.0, le=1.0, description="C in sigma_{F,C}; 1 = plain draft sampling. Smaller "
         "C: more cache hits, fewer accepted tokens; 0.5 was fastest at T=1 on the reference "
@@ -137,7 +178,8 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            model = FanoutConfig if e["loc"][0] == "fanout" else SaguaroConfig
+            model = {"fanout": FanoutConfig, "controller": ControllerConfig}.get(
+                e["loc"][0] if len(e["loc"]) > 1 else "", SaguaroConfig)
             known = ", ".join(sorted(f.alias or n for n, f in model.model_fields.items()))
             msg = f"unknown key; known keys: {known}"
         else:

@@ -12,9 +12,10 @@ import pytest
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-# The target alone (the speedup's base) and SSD (the plugin's counters, theory, projection):
-# the smallest set that exercises every output column within the time budget.
-SYSTEMS = "AR,SSD-K3"
+# The target alone (the speedup's base) and SSD (the plugin's counters, theory, projection,
+# the lengths table): the smallest set that exercises every output column within the time
+# budget. K pinned: what the controller would send on tiny random models is not the point.
+SYSTEMS = "AR,SSD-K3-fixed"
 
 
 def write_prompts(path: Path) -> Path:
@@ -29,7 +30,7 @@ def test_quick_mode_writes_results(tmp_path, tiny_target, tiny_draft):
     cmd = [sys.executable, "-m", "benchmarks.run", "--quick", "--project",
            "--target", str(tiny_target), "--draft", str(tiny_draft),
            "--prompts-file", str(write_prompts(tmp_path / "p.jsonl")),
-           "--out", str(out), "--batches", "1", "--max-tokens", "8",
+           "--out", str(out), "--batches", "1", "--max-tokens", "16",
            "--systems", SYSTEMS, "--draft-dtype", "float32"]
     libs = subprocess.run(["bash", str(ROOT / "scripts" / "cpu_env.sh")], capture_output=True,
                           text=True).stdout
@@ -60,6 +61,7 @@ def test_quick_mode_writes_results(tmp_path, tiny_target, tiny_draft):
     ncols = table[0].count("|")
     assert all(line.count("|") == ncols for line in table[1:1 + len(recs)])
     assert "NOT a measurement" in md
+    assert "## Lengths sent" in md and all(r["lengths"]["shares"][-1] == 1.0 for r in ssd)
 
 
 def test_overrides_reach_a_valid_plugin_config(tiny_draft):

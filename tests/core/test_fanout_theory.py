@@ -102,3 +102,21 @@ def test_budget_control_shrinks_on_overrun_and_grows_back():
     for _ in range(20):
         c.observe(True)
     assert c.budget == 1, "never below one branch"
+
+def test_rates_from_measured_costs():
+    from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
+
+    target = lambda w: 0.05 + 0.004 * w  # noqa: E731
+    draft = lambda rows: 0.01  # noqa: E731
+    assert target_alone_rate(4, target) == pytest.approx(4 / 0.066)
+    e = expected_tokens_per_round(0.6, 3)
+    assert sd_rate(0.6, 3, 1, target, draft) == pytest.approx(e / (0.066 + 0.03))
+    # every sequence hits: SSD verifies without drafting on the critical path
+    assert ssd_rate(0.6, 3, 1.0, 1, target, draft) == pytest.approx(e / 0.066)
+    # never a hit: SSD is SD
+    assert ssd_rate(0.6, 3, 0.0, 1, target, draft) == pytest.approx(sd_rate(0.6, 3, 1, target, draft))
+    # the fast backup: no stall, its own (lower) acceptance on the misses
+    fast = ssd_rate(0.6, 3, 0.5, 16, target, draft, a_fast=0.2)
+    e_f = expected_tokens_per_round(0.2, 3)
+    assert fast == pytest.approx(16 * (0.5 * e + 0.5 * e_f) / target(64))
+    assert sd_rate(0.6, 0, 4, target, draft) == target_alone_rate(4, target)

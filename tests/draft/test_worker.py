@@ -23,15 +23,16 @@ def hf_greedy(model, tokens, n):
     return out[len(tokens):]
 
 
-def step(w, updates, finished):
-    results, waited, compute = w.step(updates, finished)
+def step(w, updates, finished, target_steps=(), k_cap=None):
+    results, waited, compute, idle = w.step(updates, finished, target_steps, k_cap)
     assert waited >= 0 and compute >= 0
     return results
 
 
 def worker(path, **kw):
     cfg = dict(draft_model=str(path), num_speculative_tokens=3, draft_dtype="float32",
-               fanout={"policy": "uniform", "width": 3}, fallback="neural")
+               fanout={"policy": "uniform", "width": 3}, fallback="neural",
+               controller={"policy": "fixed"})  # K every round unless a test says otherwise
     cfg.update(kw)
     return DraftWorker(SaguaroConfig.model_validate(cfg).to_json_dict(), 512, bind=False)
 
@@ -300,3 +301,89 @@ def test_probable_never_bets_on_the_rejected_token_when_sampling(tiny_target):
         assert toks[j] not in {x for x, _ in cands[j]}, j
         assert sum(p for _, p in cands[j]) == pytest.approx(1.0, abs=1e-4)
     assert all(0 < c <= 1 for c in conf)
+
+
+# ----------------------------------------------------------------- the length controller
+CHEAP = [(4, 0.050), (16, 0.0505), (8, 0.0502)]   # verifying more tokens costs ~nothing
+DEAR = [(4, 0.05), (16, 0.50), (8, 0.2)]           # every token costs most of a step
+
+
+def test_forced_mixed_lengths_and_empty_drafts_go_round(tiny_target, hf):
+    """Lengths 0, 1 and 3 in one batch: each row sends that prefix of its greedy draft, a
+    row that sent nothing is pre-speculated for its k = 0 outcomes and can hit."""
+    w = worker(tiny_target, controller={"force_lengths": [0, 1, 3]})
+    prompts = {"a": [5, 17, 99, 3, 250, 7], "b": [9, 8, 7, 300, 301], "c": [40, 41, 42, 43]}
+    tokens = {r: list(p) for r, p in prompts.items()}
+    out = step(w, [(r, None, p, None) for r, p in prompts.items()], [])
+    hits = 0
+    for rnd in range(6):
+        lengths = [len(d) for d, _, _ in out]
+        assert lengths == [[0, 1, 3][(i + rnd + 1) % 3] for i in range(3)], (rnd, lengths)
+        for (draft, _, _), rid in zip(out, prompts):
+            full = hf_greedy(hf, tokens[rid], 3)
+            assert draft == full[:len(draft)]
+        w.prespeculate()
+        for rid in prompts:
+            st = w.seqs[rid]
+            assert st.cache is not None and all(o.k <= len(st.spec) for o in st.cache.entries)
+        updates = []
+        for (draft, _, _), rid in zip(out, prompts):
+            sampled = hf_greedy(hf, tokens[rid], len(draft) + 1)  # what greedy verification gives
+            k = next((i for i, (x, y) in enumerate(zip(draft, sampled)) if x != y), len(draft))
+            sampled = sampled[:k + 1]
+            tokens[rid] += sampled
+            updates.append((rid, sampled, None, None))
+        out = step(w, updates, [])
+        hits += sum(bool(h) for _, h, _ in out)
+    assert hits > 0
+    assert w.stats.sent[0] > 0 and w.stats.sent[1] > 0 and w.stats.sent[3] > 0
+    assert w.stats.plain_outcomes > 0
+
+
+def test_controller_sends_everything_when_verifying_is_free(tiny_target, hf):
+    """A new sequence sends nothing at first (its draft prefill goes to the
+    pre-speculation, off the critical path); its next round hits and sends all K."""
+    w = worker(tiny_target, controller={"policy": "auto"})
+    p = [5, 17, 99, 3, 250, 7]
+    (spec, _, _), = step(w, [("a", None, p, None)], [], CHEAP)
+    assert spec == [] and w.stats.fallback_rounds == 0
+    w.prespeculate()
+    bonus = hf_greedy(hf, p, 1)
+    (spec, hit, _), = step(w, [("a", bonus, None, None)], [], CHEAP)
+    assert hit and spec == hf_greedy(hf, p + bonus, 3)
+
+
+def test_controller_plain_decoding_and_idle_when_nothing_pays(tiny_target):
+    w = worker(tiny_target, controller={"policy": "auto"})
+    updates = [(r, None, [5, 17, 99, 3 + i], None) for i, r in enumerate("abcd")]
+    results, _, _, idle = w.step(updates, [], DEAR)
+    assert all(d == [] for d, _, _ in results)
+    assert idle is not None and idle < 4  # the proposer leaves the draft alone above it
+    assert w.stats.fallback_rounds == 0, "nothing was sent, so nothing should be drafted"
+    w.prespeculate()
+    assert w.stats.prespec_skipped == 1 and all(st.cache is None for st in w.seqs.values())
+    pinned = worker(tiny_target, controller={"policy": "fixed"})
+    results, _, _, idle = pinned.step(updates, [], DEAR)
+    assert all(len(d) == 3 for d, _, _ in results) and idle is None
+
+
+def test_k_cap_from_vllms_schedule(tiny_target):
+    w = worker(tiny_target, controller={"policy": "fixed"})
+    (spec, _, _), = step(w, [("a", None, [5, 17, 99, 3], None)], [], (), k_cap=1)
+    assert len(spec) == 1
+
+
+def test_sampled_confidence_only_where_no_drawn_token_decides(tiny_target):
+    """Losslessness of the controller at T > 0: a sampled speculation's alphas must not
+    depend on its own drawn tokens, so only the first (an expectation over q) is kept."""
+    from vllm_saguaro.core.sampling import SamplingSpec
+
+    w = worker(tiny_target, controller={"policy": "auto"})
+    spec = tuple(SamplingSpec(temperature=1.0))
+    step(w, [("s", None, [5, 17, 99, 3], spec), ("g", None, [5, 17, 99, 3], None)], [])
+    w.prespeculate()
+    for branch in w.seqs["s"].cache.entries.values():
+        assert branch.confidence[0] is not None and branch.confidence[1:] == [None, None]
+        assert 0.0 < branch.confidence[0] <= 1.0
+    for branch in w.seqs["g"].cache.entries.values():
+        assert all(c is not None and 0.0 < c <= 1.0 for c in branch.confidence)

@@ -38,4 +38,7 @@ def saguaro_counters(llm) -> dict:
 def spec_base(tiny_draft):
     return {"method": "saguaro", "draft_model": str(tiny_draft), "num_speculative_tokens": 3,
             "draft_dtype": "float32", "fanout": {"policy": "uniform", "width": 3},
-            "fallback": "neural", "log_stats_interval_s": 0}
+            "fallback": "neural", "log_stats_interval_s": 0,
+            # K every round unless a test says otherwise: the cache's own tests stay
+            # independent of what the controller finds worth sending on tiny models
+            "controller": {"policy": "fixed"}}

@@ -51,7 +51,8 @@ def run_all(llm, stop_params):
 
 
 @pytest.mark.parametrize("variant", ["ssd", "forced_miss", "sync_sd", "geometric", "probable",
-                                     "fast_fallback", "auto_fallback"])
+                                     "fast_fallback", "auto_fallback", "mixed_lengths",
+                                     "nothing_sent", "controller"])
 def test_greedy_identical(tiny_target, spec_base, reference, variant):
     ref, stop_params = reference
     spec = dict(spec_base)
@@ -66,6 +67,13 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant):
                     fanout={"policy": "geometric", "budget": 7, "acceptance_rate": 0.5})
     elif variant == "probable":  # the default selection
         spec.update(fanout={"policy": "probable", "budget": 5})
+    elif variant == "mixed_lengths":  # lengths 0..3 side by side in every batch
+        spec.update(controller={"force_lengths": [0, 2, 1, 3]})
+    elif variant == "nothing_sent":  # every round plain decoding through the plugin's path
+        spec.update(controller={"force_lengths": [0]})
+    elif variant == "controller":  # the defaults: the controller decides, fallback auto
+        spec.update(controller={"policy": "auto"}, fallback="auto",
+                    fanout={"policy": "probable", "budget": 8})
     llm = make_llm(tiny_target, spec)
     before = saguaro_counters(llm)
     got = run_all(llm, stop_params)
@@ -78,7 +86,17 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant):
     delta = {k: after[k] - before.get(k, 0) for k in after}
     lookups, hits = m.lookups, m.hits
     assert delta["vllm:saguaro_cache_lookups"] == lookups and delta["vllm:saguaro_cache_hits"] == hits
+    sent = m.sent
+    if variant == "nothing_sent":
+        assert delta.get("vllm:spec_decode_num_drafts", 0) == 0 and sum(sent[1:]) == 0
+        assert m.plain_rounds == m.rounds > 0
+        return
+    if variant == "controller":  # whatever it chose, every round is accounted for
+        assert sum(sent) >= m.rounds > 0
+        return
     assert delta["vllm:spec_decode_num_drafts"] > 0, "vLLM verified no drafts: SD was not active"
+    if variant == "mixed_lengths":
+        assert all(sent[n] > 0 for n in range(4)), sent
     if variant == "sync_sd":
         assert lookups == 0
     else:
@@ -89,7 +107,7 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant):
         assert fast_seqs == 0, "the fast backup drafted though fallback is neural"
     if variant in ("forced_miss", "fast_fallback", "auto_fallback"):
         assert hits == 0
-    elif variant in ("ssd", "geometric", "probable"):
+    elif variant in ("ssd", "geometric", "probable", "mixed_lengths"):
         assert 0 < hits < lookups, "a perturbed draft should both hit and miss"
 
 

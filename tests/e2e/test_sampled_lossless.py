@@ -77,6 +77,10 @@ SETTINGS = {  # (temperature, top_p, spec overrides)
     "T1-greedy-draft": (1.0, 1.0, {"draft_sampling": "greedy"}),
     # every miss drafted by prompt lookup (one-hot q) after the sampled first draft
     "T1-fast-fallback": (1.0, 1.0, {"force_cache_miss": True, "fallback": "fast"}),
+    # the controller: lengths 0..3 mixed in every batch, nothing sent at all, its own choice
+    "T1-mixed-lengths": (1.0, 1.0, {"controller": {"force_lengths": [0, 1, 3, 2]}}),
+    "T1-nothing-sent": (1.0, 1.0, {"controller": {"force_lengths": [0]}}),
+    "T1-controller-auto": (1.0, 1.0, {"controller": {"policy": "auto"}, "fallback": "auto"}),
 }
 
 
@@ -91,10 +95,11 @@ def test_saguaro_ssd_matches_exact(tiny_target, spec_base, name):
     # q reaches the verifier in every round; never with greedy drafts (one-hot); with
     # the fast backup, whose drafts are deterministic (one-hot rows), in the rounds where
     # some request has its first, neural draft
-    if overrides.get("draft_sampling") == "greedy":
+    lengths = overrides.get("controller", {}).get("force_lengths")
+    if overrides.get("draft_sampling") == "greedy" or lengths == [0]:
         assert q_rounds and not any(q_rounds)
-    elif overrides.get("fallback") == "fast":
-        assert any(q_rounds)
+    elif overrides.get("fallback") == "fast" or "controller" in overrides:
+        assert any(q_rounds) or overrides["controller"].get("policy") == "auto"
     else:
         assert q_rounds and all(q_rounds)
 

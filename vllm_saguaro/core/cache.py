@@ -10,10 +10,12 @@ from vllm_saguaro.core.outcome import Outcome
 @dataclass
 class Speculation:
     """K draft tokens and, when they were sampled, the K distributions q they came from
-    (the verifier needs that very q; None = greedy drafts, q one-hot)."""
+    (the verifier needs that very q; None = greedy drafts, q one-hot); the draft's
+    confidence in each token (None where it has none: core/controller.py)."""
 
     tokens: list[int]
     probs: Any = None
+    confidence: list | None = None
 
 
 @dataclass

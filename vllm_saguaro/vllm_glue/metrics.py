@@ -1,4 +1,5 @@
-"""SSD's own figures: cache hit rate, fallback use, and how long the target waited.
+"""SSD's own figures: cache hit rate, fallback use, how long the target waited, and the
+lengths the controller sent (how often a round was plain decoding).
 
 vLLM's spec-decode counters (drafts, accepted tokens) keep working untouched; these add
 what vLLM has no path for. They are Prometheus counters in the process that runs the
@@ -29,15 +30,21 @@ def _counters() -> dict:
     else:
         from prometheus_client import Counter
 
-        def c(name: str, doc: str) -> Counter:
-            return Counter(f"vllm:saguaro_{name}", doc)
+        def c(name: str, doc: str, labels=()) -> Counter:
+            return Counter(f"vllm:saguaro_{name}", doc, list(labels))
 
         _COUNTERS = {
             "rounds": c("rounds", "Verification rounds with SSD drafting"),
             "lookups": c("cache_lookups", "Speculation-cache lookups (one per sequence-round)"),
             "hits": c("cache_hits", "Speculation-cache hits"),
-            "fallbacks": c("fallback_drafts", "Sequences drafted by the fallback (misses, new, resync)"),
+            "fallbacks": c("fallback_drafts", "Sequences drafted by the fallback (misses, new, "
+                           "resync; not those that sent nothing)"),
             "wait": c("draft_wait_seconds", "Time the target waited on the draft worker"),
+            "sent": c("speculation_length", "Sequence-rounds by the number of draft tokens "
+                      "the controller sent (0 = plain decoding for that sequence)", ["length"]),
+            "plain": c("plain_rounds", "Rounds in which no sequence sent draft tokens"),
+            "idle": c("idle_rounds", "Plain rounds in which the draft was not called at all "
+                      "(speculation cannot pay at that batch size)"),
         }
     return _COUNTERS
 
@@ -62,6 +69,11 @@ class SaguaroMetrics:
     miss_reply_s: float = 0.0     # and on the others (a miss, a new sequence)
     target_rounds: int = 0
     target_s: float = 0.0
+    # The controller: sequence-rounds by tokens sent (index = length), rounds in which
+    # nothing was sent, and those of them in which the draft was left idle.
+    sent: list[int] = field(default_factory=list)
+    plain_rounds: int = 0
+    idle_rounds: int = 0
     _last_done: float | None = None
     _last_log: float = field(default_factory=time.monotonic)
 
@@ -74,7 +86,7 @@ class SaguaroMetrics:
 
     def record_round(self, flags: list, wait_prespec: float, wait_step: float,
                      draft_s: float = 0.0, unpack_s: float = 0.0,
-                     started: float | None = None) -> None:
+                     started: float | None = None, lengths: list[int] = ()) -> None:
         if started is not None and self._last_done is not None and started - self._last_done < 5.0:
             self.target_rounds += 1  # not after an idle gap (between requests)
             self.target_s += started - self._last_done
@@ -88,7 +100,7 @@ class SaguaroMetrics:
             self.miss_reply_s += reply
         lookups = sum(f is not None for f in flags)
         hits = sum(f is True for f in flags)
-        fallbacks = sum(f is not True for f in flags)
+        fallbacks = sum(f is not True and n > 0 for f, n in zip(flags, lengths or [1] * len(flags)))
         self.rounds += 1
         self.seqs += len(flags)
         self.lookups += lookups
@@ -96,22 +108,56 @@ class SaguaroMetrics:
         self.fallbacks += fallbacks
         self.wait_prespec_s += wait_prespec
         self.wait_step_s += wait_step
+        self._count_lengths(lengths)
         c = _counters()
         c["rounds"].inc()
         c["lookups"].inc(lookups)
         c["hits"].inc(hits)
         c["fallbacks"].inc(fallbacks)
         c["wait"].inc(wait_prespec + wait_step)
+        self._maybe_log()
+
+    def record_idle_round(self, seqs: int) -> None:
+        """A round the proposer answered without the draft: every sequence sends nothing."""
+        self.idle_rounds += 1
+        _counters()["idle"].inc()
+        self._count_lengths([0] * seqs)
+        self._maybe_log()
+
+    def _count_lengths(self, lengths) -> None:
+        if not lengths:
+            return
+        for n in lengths:
+            if n >= len(self.sent):
+                self.sent.extend([0] * (n + 1 - len(self.sent)))
+            self.sent[n] += 1
+            _counters()["sent"].labels(length=str(n)).inc()
+        if not any(lengths):
+            self.plain_rounds += 1
+            _counters()["plain"].inc()
+
+    def _maybe_log(self) -> None:
         now = time.monotonic()
         if self.log_interval_s and now - self._last_log >= self.log_interval_s:
             self._last_log = now
             logger.info("Saguaro SSD: %s", self.summary())
 
+    def lengths_summary(self) -> str:
+        total = sum(self.sent)
+        if not total:
+            return "no rounds yet"
+        shares = "/".join(f"{100 * n / total:.0f}" for n in self.sent)
+        rounds = self.rounds + self.idle_rounds
+        return (f"lengths sent 0..{len(self.sent) - 1}: {shares}%, plain-decoding rounds "
+                f"{100 * self.plain_rounds / max(rounds, 1):.0f}% (draft idle in "
+                f"{100 * self.idle_rounds / max(rounds, 1):.0f}%)")
+
     def summary(self) -> str:
         return (f"cache hit rate {self.hit_rate:.3f} ({self.hits}/{self.lookups}), "
                 f"fallback drafts {self.fallbacks}, rounds {self.rounds}, "
                 f"target waited {self.wait_prespec_s + self.wait_step_s:.2f}s "
-                f"(pre-speculation {self.wait_prespec_s:.2f}s, lookup/fallback {self.wait_step_s:.2f}s)")
+                f"(pre-speculation {self.wait_prespec_s:.2f}s, lookup/fallback {self.wait_step_s:.2f}s), "
+                f"{self.lengths_summary()}")
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")} | {

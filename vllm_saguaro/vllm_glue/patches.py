@@ -34,6 +34,9 @@ def to_vllm_speculative_config(value: Any, additional_config: dict | None) -> tu
     extra["saguaro"] = cfg.to_json_dict()
     spec = {"method": "custom_class", "model": PROPOSER_PATH,
             "num_speculative_tokens": cfg.num_speculative_tokens}
+    if cfg.num_speculative_tokens_per_batch_size:  # vLLM's own schedule, honoured by its scheduler
+        spec["num_speculative_tokens_per_batch_size"] = [
+            list(r) for r in cfg.num_speculative_tokens_per_batch_size]
     return spec, extra
 
 
@@ -141,9 +144,12 @@ def patch_runner_propose() -> None:
         req_ids = list(batch.req_ids)
         finished = set(scheduler_output.finished_req_ids)
         finished |= set(scheduler_output.preempted_req_ids or ())
+        # vLLM's scheduler picks K from num_speculative_tokens_per_batch_size (if set) for
+        # this step's batch size: the most tokens a row may send; the controller picks below
         drafts, probs = drafter.propose_round(
             req_ids, batch.num_tokens_no_spec, batch.token_ids_cpu, sampled_token_ids,
-            finished, lambda rid: sampling_spec(self.requests[rid].sampling_params))
+            finished, lambda rid: sampling_spec(self.requests[rid].sampling_params),
+            k_cap=getattr(scheduler_output, "num_spec_tokens_to_schedule", None))
         # The q the draft sampled from reaches the rejection sampler (next step's _sample
         # reads these two fields); None = greedy drafts, verified with q one-hot.
         self._draft_probs = probs

@@ -3,7 +3,10 @@
 vLLM builds it as a ``custom_class`` drafter; patches.py routes the runner's draft call to
 ``propose_round`` so that it sees request ids and finished requests. The only wait on the
 draft is at the top of each round (for the pre-speculation of the round just verified
-and then the lookup); that wait is measured.
+and then the lookup); that wait is measured. So is the target's side of each round (from
+the drafts returned to the next call), which the draft's controller weighs against what
+speculation gains. While the controller finds that speculation cannot pay at the batch
+size running, the draft is not called at all: the rounds are plain decoding.
 """
 from __future__ import annotations
 
@@ -34,6 +37,10 @@ class _Mirror:
 
 
 _cores_before_binding: set[int] | None = None
+
+# While idle, ask the draft again after this long (its acceptance, the target's costs may
+# have moved), or as soon as the batch shrinks to where speculation could pay.
+IDLE_RECHECK_S = 30.0
 
 
 def process_cores() -> set[int]:
@@ -91,6 +98,12 @@ class SaguaroProposer:
         self.head_ids = None         # the draft head's vocabulary ids (q's columns)
         self.mirror: dict[str, _Mirror] = {}
         self.metrics = SaguaroMetrics(self.cfg.log_stats_interval_s)
+        self.target_steps: list[tuple[int, float]] = []  # measured since the last call
+        self._width: int | None = None    # tokens the last round verified (None: not clean)
+        self._last_done: float | None = None
+        self.idle_above: int | None = None  # the draft idles while the batch is larger
+        self._idle_since = 0.0
+        self._finished_while_idle: set[str] = set()
 
     # vLLM calls this once the target is loaded; the draft starts then, on its own device.
     def load_model(self, target_model=None) -> None:
@@ -124,18 +137,34 @@ class SaguaroProposer:
 
     def propose_round(self, req_ids: list[str], num_tokens, token_ids_cpu,
                       sampled_token_ids: list[list[int]], finished: set[str],
-                      sampling_of) -> tuple[list[list[int]], torch.Tensor | None]:
-        """One round: send each request's outcome (or its tokens on a resync), get drafts.
+                      sampling_of, k_cap: int | None = None
+                      ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """One round: send each request's outcome (or its tokens on a resync), get drafts
+        of 0..K tokens per row.
 
         Returns the drafts per row and, when any request samples, the draft distributions
         q [rows, K, V] the verifier must use (one-hot rows for greedy requests, which the
-        rejection sampler verifies by argmax anyway). sampling_of(req_id) gives a new
-        request's SamplingSpec.
+        rejection sampler verifies by argmax anyway; rows past a draft's length unused).
+        sampling_of(req_id) gives a new request's SamplingSpec; k_cap: the most tokens a
+        row may send this step (vLLM's num_speculative_tokens_per_batch_size).
         """
         import ray
 
         if self.actor is None:
             self.load_model()
+        start = time.perf_counter()
+        if self._width is not None and self._last_done is not None and start - self._last_done < 5.0:
+            self.target_steps = (self.target_steps + [(self._width, start - self._last_done)])[-8:]
+        decoding = sum(1 for s in sampled_token_ids if s)
+        self._width = None
+        if self._idle(decoding, finished, start):
+            self._width = decoding if decoding == len(req_ids) else None
+            self.metrics.record_idle_round(decoding)
+            self._last_done = time.perf_counter()
+            self.metrics.round_done(self._last_done)
+            return [[] for _ in req_ids], None
+        finished = finished | self._finished_while_idle
+        self._finished_while_idle = set()
         for rid in finished:
             self.mirror.pop(rid, None)
         updates, rows = [], []
@@ -157,24 +186,44 @@ class SaguaroProposer:
                 ray.get(done[0])
                 self.pending = None
         t0 = time.perf_counter()
-        results, waited, computed = ray.get(self.actor.step.remote(updates, sorted(finished))) \
-            if (updates or finished) else ([], 0.0, 0.0)
+        results, waited, computed, limit = ray.get(self.actor.step.remote(
+            updates, sorted(finished), self.target_steps, k_cap)) \
+            if (updates or finished) else ([], 0.0, 0.0, None)
+        self.target_steps = []
         t1 = time.perf_counter()
         for (row, rid, n), (tokens, _, _) in zip(rows, results):
             drafts[row] = tokens
             self.mirror[rid] = _Mirror(n, tokens)
-        if self.cfg.async_ and rows:
+        if limit is not None:
+            self.idle_above, self._idle_since = limit, time.monotonic()
+        elif self.cfg.async_ and rows:
             self.pending = self.actor.prespeculate.remote()
         probs = self._draft_probs(len(req_ids), rows, results)
         t2 = time.perf_counter()
+        fresh = any(u[1] is None for u in updates)
         if rows:
             # the target's side before a round with a new sequence was its prefill
-            fresh = any(u[1] is None for u in updates)
             self.metrics.record_round([flag for _, flag, _ in results], waited, t1 - t0 - waited,
                                       draft_s=computed, unpack_s=t2 - t1,
-                                      started=None if fresh else t0)
-        self.metrics.round_done(time.perf_counter())
+                                      started=None if fresh else t0,
+                                      lengths=[len(tokens) for tokens, _, _ in results])
+        # the next target step is clean (decode only) when no row is still prefilling
+        if rows and len(rows) == len(req_ids):
+            self._width = sum(1 + len(d) for d in drafts)
+        self._last_done = time.perf_counter()
+        self.metrics.round_done(self._last_done)
         return drafts, probs
+
+    def _idle(self, decoding: int, finished: set[str], now: float) -> bool:
+        """Stay away from the draft while the controller said speculation cannot pay at a
+        batch this large; wake when the batch shrinks to where it could, or to recheck."""
+        if self.idle_above is None:
+            return False
+        if decoding > self.idle_above and time.monotonic() - self._idle_since < IDLE_RECHECK_S:
+            self._finished_while_idle |= finished
+            return True
+        self.idle_above = None  # the draft resynchronises every sequence (mirror mismatch)
+        return False
 
     def _draft_probs(self, num_rows: int, rows, results) -> torch.Tensor | None:
         if all(q is None for _, _, q in results):
@@ -185,7 +234,7 @@ class SaguaroProposer:
         q = unpack_counts([c for _, c in sampled], self.head_ids, self.vocab_size)
         probs[torch.tensor([row for row, _ in sampled]), : q.shape[1]] = q
         for (row, _, _), (tokens, _, c) in zip(rows, results):
-            if c is None:  # greedy request: q one-hot on the drafted tokens
+            if c is None and tokens:  # greedy request: q one-hot on the drafted tokens
                 probs[row, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return probs
 

@@ -1,0 +1,150 @@
+"""The speculation-length controller (core/controller.py): optimal lengths, plain decoding
+when nothing pays, the neural / fast / none choice, and the step-cost model."""
+import itertools
+import random
+
+import pytest
+
+from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, choose_lengths,
+                                          expected_tokens)
+
+
+def linear(fixed, per_token):
+    return lambda w: fixed + per_token * w
+
+
+def rate_of(cands, lengths, target, draft_step=lambda rows: 0.0, neural=None):
+    neural = neural or [False] * len(cands)
+    tokens = len(cands)
+    for c, L, u in zip(cands, lengths, neural):
+        tokens += expected_tokens((c.neural if u else c.free)[:L])
+    steps = max((L for L, u in zip(lengths, neural) if u), default=0)
+    rows = sum(1 for L, u in zip(lengths, neural) if u and L)
+    return tokens / (target(len(cands) + sum(lengths)) + (steps * draft_step(rows) if rows else 0))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_optimal_against_brute_force_for_free_tokens(seed):
+    rng = random.Random(seed)
+    n, k = rng.randint(1, 4), 3
+    cands = [Candidate(free=tuple(rng.uniform(0.05, 0.98) for _ in range(k)), cap=k)
+             for _ in range(n)]
+    target = linear(rng.uniform(0.02, 0.1), rng.uniform(0.0, 0.03))
+    plan = choose_lengths(cands, target, lambda rows: 0.0)
+    best = max(rate_of(cands, ls, target) for ls in itertools.product(range(k + 1), repeat=n))
+    assert plan.rate == pytest.approx(best, rel=1e-9)
+    assert plan.rate == pytest.approx(rate_of(cands, plan.lengths, target), rel=1e-9)
+
+
+def test_nothing_pays_is_plain_decoding():
+    cands = [Candidate(free=(0.3, 0.2, 0.1), cap=3)] * 8
+    plan = choose_lengths(cands, linear(0.05, 0.05), lambda rows: 0.0)  # a token = a step
+    assert plan.lengths == [0] * 8 and plan.draft_steps == 0
+
+
+def test_free_tokens_pay_at_a_flat_target_cost():
+    cands = [Candidate(free=(0.9, 0.8, 0.5), cap=3), Candidate(free=(0.1, 0.1, 0.1), cap=3)]
+    plan = choose_lengths(cands, linear(0.05, 0.0005), lambda rows: 0.0)
+    assert plan.lengths[0] == 3  # a likely speculation is sent whole
+    assert plan.lengths[1] < plan.lengths[0]
+
+
+def test_the_uncertain_tail_is_cut():
+    cands = [Candidate(free=(0.95, 0.9, 0.05), cap=3)]
+    plan = choose_lengths(cands, linear(0.05, 0.01), lambda rows: 0.0)
+    assert plan.lengths == [2]
+
+
+def test_cap_and_fixed():
+    c = Candidate(free=(0.9, 0.9, 0.9), cap=1)
+    assert choose_lengths([c], linear(0.05, 0.0), lambda r: 0.0).lengths == [1]
+    pinned = Candidate(free=(0.01, 0.01, 0.01), cap=3, fixed=True)  # sent whole regardless
+    assert choose_lengths([pinned], linear(0.05, 0.05), lambda r: 0.0).lengths == [3]
+
+
+def test_expensive_fallback_is_skipped_cheap_one_used():
+    hit = Candidate(free=(0.9, 0.8, 0.7), cap=3)
+    miss = Candidate(free=(), neural=(0.6, 0.6, 0.6), cap=3)
+    target = linear(0.05, 0.002)
+    dear = choose_lengths([hit, miss], target, lambda rows: 0.05)  # a draft step = a target step
+    assert dear.lengths[1] == 0 and dear.draft_steps == 0 and dear.lengths[0] == 3
+    cheap = choose_lengths([hit, miss], target, lambda rows: 0.001)
+    assert cheap.neural == [False, True] and cheap.lengths[1] > 0
+    assert cheap.draft_steps == cheap.lengths[1]
+
+
+def test_fast_backup_preferred_when_neural_is_dear():
+    miss = Candidate(free=(0.4, 0.3, 0.2), neural=(0.7, 0.7, 0.7), cap=3)  # free = fast backup
+    target = linear(0.05, 0.001)
+    dear = choose_lengths([miss] * 4, target, lambda rows: 0.03)
+    assert not any(dear.neural) and sum(dear.lengths) > 0
+    cheap = choose_lengths([miss] * 4, target, lambda rows: 0.0005)
+    assert all(cheap.neural)
+
+
+def test_never_worse_than_fixed_k_or_plain():
+    rng = random.Random(3)
+    for _ in range(50):
+        n = rng.randint(1, 16)
+        cands = [Candidate(free=tuple(rng.uniform(0.0, 1.0) for _ in range(4)), cap=4)
+                 for _ in range(n)]
+        target = linear(rng.uniform(0.01, 0.1), rng.uniform(0.0, 0.02))
+        plan = choose_lengths(cands, target, lambda r: 0.0)
+        for k in range(5):
+            assert plan.rate >= rate_of(cands, [k] * n, target) - 1e-9
+
+
+def test_batch_limit_falls_with_token_cost():
+    cheap = batch_limit(0.7, 3, linear(0.05, 0.0005), max_batch=64)
+    dear = batch_limit(0.7, 3, linear(0.05, 0.01), max_batch=64)
+    assert cheap == 64 and 0 < dear < 64
+    assert batch_limit(0.7, 3, linear(0.01, 0.1), max_batch=64) == 0  # a token = 10 steps
+
+
+def test_step_cost_learns_a_line():
+    rng = random.Random(0)
+    cost = StepCost()
+    assert not cost.known and cost.predict(10) == 0.0
+    for _ in range(200):
+        w = rng.randint(1, 64)
+        cost.observe(w, 0.05 + 0.003 * w + rng.gauss(0, 0.001))
+    assert cost.slope() == pytest.approx(0.003, rel=0.1)
+    assert cost.predict(32) == pytest.approx(0.05 + 0.003 * 32, rel=0.05)
+
+
+def test_step_cost_without_spread_keeps_the_prior_or_last_slope():
+    cost = StepCost(token_cost=0.1)
+    for _ in range(20):
+        cost.observe(1, 0.06)
+    assert cost.predict(1) == pytest.approx(0.06)
+    assert cost.slope() == pytest.approx(0.1 * 0.06 / 1.1)  # prior: t = fixed (1 + 0.1 w)
+    tuned = StepCost(fixed_s=0.05, per_token_s=0.004)
+    assert tuned.predict(11) == pytest.approx(0.094)
+    for _ in range(100):  # a pinned width later: the step time there follows the measurements
+        tuned.observe(16, 0.12)
+    assert tuned.predict(16) == pytest.approx(0.12, rel=0.02)
+
+
+def test_fixed_miss_is_drafted_whole_however_dear():
+    miss = Candidate(free=(), neural=(0.2, 0.2, 0.2), cap=3, fixed=True)
+    plan = choose_lengths([miss, Candidate(free=(0.9,) * 3, cap=3)], linear(0.05, 0.01),
+                          lambda rows: 0.1)
+    assert plan.lengths[0] == 3 and plan.neural[0] and plan.draft_steps == 3
+
+
+def test_batch_size_aware_fallback_crosses_like_the_papers_b_star():
+    """One miss in a batch of hits: the neural backup (3 steps that stall the whole batch)
+    pays at batch 1 and not at a large batch, where the fast backup takes over; the
+    paper's b* (Corollary 16) for the same figures lies between."""
+    from vllm_saguaro.core.theory import fallback_crossover
+
+    hit = Candidate(free=(0.7, 0.7, 0.7), cap=3)
+    miss = Candidate(free=(0.3, 0.3, 0.3), neural=(0.7, 0.7, 0.7), cap=3)
+    target = linear(0.1, 0.0)  # verification as cheap per token as the GPU case
+    step = lambda rows: 0.04 / 3  # noqa: E731  a neural backup of 0.4 rounds, as in the paper
+    small = choose_lengths([miss], target, step)
+    large = choose_lengths([miss] + [hit] * 63, target, step)
+    assert small.neural[0] and not large.neural[0] and large.lengths[0] > 0
+    e_n, e_f = 1 + expected_tokens((0.7,) * 3), 1 + expected_tokens((0.3,) * 3)
+    b_star = fallback_crossover(0.7, e_n, e_n, e_f, 1.0, 0.4, 0.0)
+    assert b_star is not None and 1 < b_star < 64

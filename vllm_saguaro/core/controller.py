@@ -1,0 +1,203 @@
+"""The speculation-length controller: how many draft tokens each sequence sends, 0..K.
+
+Speculation pays only when what it is expected to add is worth more than it costs: the
+target verifies every token sent (its step grows with the tokens of the whole batch) and
+a draft that is not cached must be drafted now, on the critical path, while the whole
+batch waits. Each step the controller maximises the batch's expected output tokens per
+second over every sequence's length and over who drafts a miss:
+
+  E[tokens] = sum_n (1 + sum_{i <= L_n} prod_{j <= i} alpha_nj)
+  seconds   = target(sum_n (1 + L_n)) + draft_steps * draft_step(rows drafted)
+
+alpha_nj is the probability that sequence n's j-th draft token is accepted (calibrated
+from the draft's confidence, core/selection.py); target(w) and draft_step(rows) are
+learned online from measured steps (StepCost). A cache hit's tokens and the fast
+backup's are free; the neural fallback's cost draft_steps steps. With nothing worth
+sending every length is 0 and the step is plain decoding. The plan space holds every
+fixed K and "no speculation", so under the model the choice is never worse than either.
+
+Losslessness for sampled requests: the decision to send token i may depend only on what
+was known before token i was drawn, or the tokens sent are no longer distributed as q
+(a token kept because it came out likely is biased). Sampled sequences therefore pass
+alphas that do not depend on their own drawn tokens (the expected acceptance of the
+first position, then the fitted a_p); greedy output is the target's argmax whatever
+is sent, so greedy sequences use each drawn token's own confidence.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One sequence's options this step.
+
+    free: acceptance probabilities of the tokens available at no draft cost (a cache hit's
+    speculation, the fast backup's), in order; neural: of the tokens the neural fallback
+    would draft (empty: not an option); cap: the most tokens it may send; fixed: send
+    exactly as many as its source has, up to cap (seeded requests, a pinned K).
+    """
+
+    free: tuple[float, ...] = ()
+    neural: tuple[float, ...] = ()
+    cap: int = 0
+    fixed: bool = False
+
+
+@dataclass
+class Plan:
+    lengths: list[int]
+    neural: list[bool]     # drafted by the neural fallback (lengths > 0 only)
+    draft_steps: int       # neural fallback steps (the longest neural length)
+    tokens: float          # expected output tokens of the step
+    seconds: float         # expected step time
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def expected_tokens(alphas) -> float:
+    """E[accepted draft tokens] when each is accepted with its alpha until the first
+    rejection: sum over i of prod_{j <= i} alpha_j."""
+    total, alive = 0.0, 1.0
+    for a in alphas:
+        alive *= a
+        total += alive
+    return total
+
+
+def _prefix_probs(alphas) -> list[float]:
+    out, alive = [], 1.0
+    for a in alphas:
+        alive *= a
+        out.append(alive)
+    return out
+
+
+def choose_lengths(cands: list[Candidate], target_s: Callable[[int], float],
+                   draft_step_s: Callable[[int], float], sunk_s: float = 0.0) -> Plan:
+    """The lengths (and neural rows) that maximise the batch's expected tokens per second.
+
+    For each number d of neural draft steps (0 = no neural fallback) every miss takes the
+    source that gives it more tokens; then, since each sequence's prefix probabilities
+    only fall with i, the best m tokens of the batch are its m largest prefix
+    probabilities, and every m is tried. sunk_s: time already spent this step (the
+    fallback, when the lengths are chosen again after it drafted).
+    """
+    n = len(cands)
+    if n == 0:
+        return Plan([], [], 0, 0.0, 0.0)
+    steps = [0] + sorted({d for c in cands if c.neural for d in range(1, min(c.cap, len(c.neural)) + 1)})
+    # a fixed sequence whose free tokens fall short of its cap must be drafted whole
+    need = max((min(c.cap, len(c.neural)) for c in cands
+                if c.fixed and c.neural and len(c.free) < c.cap), default=0)
+    steps = [d for d in steps if d >= need]
+    best: Plan | None = None
+    for d in steps:
+        alphas, neural = [], []
+        for c in cands:
+            free = c.free[:c.cap]
+            use = d > 0 and bool(c.neural) and (
+                expected_tokens(c.neural[:min(d, c.cap)]) > expected_tokens(free)
+                or (c.fixed and len(free) < c.cap))
+            alphas.append(tuple(c.neural[:min(d, c.cap)]) if use else free)
+            neural.append(use)
+        lengths = [len(a) if c.fixed else 0 for a, c in zip(alphas, cands)]
+        tokens = n + sum(expected_tokens(a) for a, c in zip(alphas, cands) if c.fixed)
+        items = sorted(((p, i) for i, (a, c) in enumerate(zip(alphas, cands)) if not c.fixed
+                        for p in _prefix_probs(a)), key=lambda x: -x[0])
+
+        def plan_for(ls: list[int], tokens: float) -> Plan:
+            used = [u and L > 0 for u, L in zip(neural, ls)]
+            steps_needed = max((L for u, L in zip(used, ls) if u), default=0)
+            draft = steps_needed * draft_step_s(sum(used)) if steps_needed else 0.0
+            return Plan(list(ls), used, steps_needed, tokens,
+                        target_s(n + sum(ls)) + draft + sunk_s)
+
+        plan = plan_for(lengths, tokens)
+        for p, i in items:
+            lengths[i] += 1
+            tokens += p
+            trial = plan_for(lengths, tokens)
+            if trial.rate > plan.rate + 1e-12:
+                plan = trial
+        if best is None or plan.rate > best.rate + 1e-12:
+            best = plan
+    return best  # type: ignore[return-value]
+
+
+def batch_limit(alpha: float, k: int, target_s: Callable[[int], float],
+                max_batch: int) -> int:
+    """The largest batch size (up to max_batch) at which speculation pays even when every
+    sequence hits (its K tokens free, each accepted with alpha); 0 if none. Above it the
+    draft can stay idle: not even a perfect cache would make speculation pay."""
+    free = Candidate(free=(alpha,) * k, cap=k)
+    for b in range(max_batch, 0, -1):
+        if sum(choose_lengths([free] * b, target_s, lambda rows: 0.0).lengths) > 0:
+            return b
+    return 0
+
+
+class StepCost:
+    """A step's time as a function of its width, t(w) = fixed + per_token * w, learned online.
+
+    Least squares over the measured (width, seconds) with exponential forgetting. While
+    the widths seen do not spread (plain decoding at one batch size, a pinned K), the
+    slope is the last one identified, or the prior: per_token = token_cost x fixed. A
+    prior (fixed_s, per_token_s), e.g. measured by `vllm-saguaro tune`, counts as
+    prior_weight observations at two widths. Linear holds well for a CPU target (weights
+    streamed once per step, attention and MLP per token); on a GPU the curve is flat up to
+    the width that saturates it, which a linear fit overstates at small widths.
+    """
+
+    def __init__(self, fixed_s: float | None = None, per_token_s: float | None = None,
+                 token_cost: float = 0.05, decay: float = 0.98, prior_weight: float = 4.0):
+        self.token_cost, self.decay = token_cost, decay
+        self.s0 = self.s1 = self.s2 = self.t0 = self.t1 = 0.0
+        self._slope: float | None = None
+        if fixed_s is not None and per_token_s is not None:
+            self._slope = per_token_s
+            for w in (1, 16):
+                self._add(w, fixed_s + per_token_s * w, prior_weight / 2)
+
+    def _add(self, w: float, t: float, weight: float = 1.0) -> None:
+        g = self.decay
+        self.s0, self.s1, self.s2 = g * self.s0 + weight, g * self.s1 + weight * w, g * self.s2 + weight * w * w
+        self.t0, self.t1 = g * self.t0 + weight * t, g * self.t1 + weight * w * t
+
+    def observe(self, width: int, seconds: float) -> None:
+        if width > 0 and seconds > 0:
+            self._add(float(width), seconds)
+
+    @property
+    def known(self) -> bool:
+        return self.s0 > 0
+
+    def slope(self) -> float:
+        if not self.known:
+            return 0.0
+        mw = self.s1 / self.s0
+        var = self.s2 / self.s0 - mw * mw
+        if var > 0.25:  # widths spread by more than about one token
+            cov = self.t1 / self.s0 - mw * self.t0 / self.s0
+            self._slope = max(cov / var, 0.0)
+        if self._slope is not None:
+            return self._slope
+        mt = self.t0 / self.s0  # t = fixed (1 + token_cost * w) at the mean width
+        return self.token_cost * mt / (1.0 + self.token_cost * mw)
+
+    def predict(self, width: int) -> float:
+        """Seconds for a step of `width`; 0.0 while nothing is known (optimistic: the
+        first use measures it)."""
+        if not self.known:
+            return 0.0
+        mw, mt = self.s1 / self.s0, self.t0 / self.s0
+        return max(mt + self.slope() * (width - mw), 1e-6)
+
+    def as_dict(self) -> dict:
+        if not self.known:
+            return {"fixed_s": None, "per_token_s": None}
+        slope = self.slope()
+        return {"fixed_s": self.t0 / self.s0 - slope * self.s1 / self.s0, "per_token_s": slope}
