@@ -148,3 +148,14 @@ def test_batch_size_aware_fallback_crosses_like_the_papers_b_star():
     e_n, e_f = 1 + expected_tokens((0.7,) * 3), 1 + expected_tokens((0.3,) * 3)
     b_star = fallback_crossover(0.7, e_n, e_n, e_f, 1.0, 0.4, 0.0)
     assert b_star is not None and 1 < b_star < 64
+
+
+def test_fixed_miss_with_a_weak_fast_backup_is_never_cut():
+    """K pinned: the neural backup drafts all K or the fast one does, never a shorter
+    neural draft (found by the benchmark's lengths table)."""
+    miss = Candidate(free=(0.2, 0.2, 0.2), neural=(0.6, 0.6, 0.6), cap=3, fixed=True)
+    for step_s in (0.0001, 0.01, 1.0):
+        plan = choose_lengths([miss], linear(0.05, 0.001), lambda rows: step_s)
+        assert plan.lengths == [3]
+    assert choose_lengths([miss], linear(0.05, 0.001), lambda rows: 0.0001).neural == [True]
+    assert choose_lengths([miss], linear(0.05, 0.001), lambda rows: 1.0).neural == [False]

@@ -99,7 +99,8 @@ def choose_lengths(cands: list[Candidate], target_s: Callable[[int], float],
         alphas, neural = [], []
         for c in cands:
             free = c.free[:c.cap]
-            use = d > 0 and bool(c.neural) and (
+            whole = min(c.cap, len(c.neural))  # a fixed sequence is drafted whole or not
+            use = d > 0 and bool(c.neural) and (not c.fixed or d >= whole) and (
                 expected_tokens(c.neural[:min(d, c.cap)]) > expected_tokens(free)
                 or (c.fixed and len(free) < c.cap))
             alphas.append(tuple(c.neural[:min(d, c.cap)]) if use else free)
