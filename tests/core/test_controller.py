@@ -95,10 +95,15 @@ def test_never_worse_than_fixed_k_or_plain():
 
 
 def test_batch_limit_falls_with_token_cost():
-    cheap = batch_limit(0.7, 3, linear(0.05, 0.0005), max_batch=64)
-    dear = batch_limit(0.7, 3, linear(0.05, 0.01), max_batch=64)
-    assert cheap == 64 and 0 < dear < 64
-    assert batch_limit(0.7, 3, linear(0.01, 0.1), max_batch=64) == 0  # a token = 10 steps
+    from vllm_saguaro.core.theory import ssd_rate
+
+    def limit(per_token, plain_gain=1.0):
+        target = linear(0.05, per_token)
+        rate = lambda b: ssd_rate(0.7, 3, 0.6, b, target, lambda rows: 0.004)  # noqa: E731
+        return batch_limit(rate, lambda b: target(b) / plain_gain, max_batch=64)
+
+    assert limit(0.0001) == 64 and 0 < limit(0.003) < 64 and limit(0.1) == 0
+    assert limit(0.003, plain_gain=1.4) < limit(0.003)  # plain on lent cores: a higher bar
 
 
 def test_step_cost_learns_a_line():

@@ -304,8 +304,8 @@ def test_probable_never_bets_on_the_rejected_token_when_sampling(tiny_target):
 
 
 # ----------------------------------------------------------------- the length controller
-CHEAP = [(4, 0.050), (16, 0.0505), (8, 0.0502)]   # verifying more tokens costs ~nothing
-DEAR = [(4, 0.05), (16, 0.50), (8, 0.2)]           # every token costs most of a step
+CHEAP = [(4, 0.050, False), (16, 0.0505, False), (8, 0.0502, False)]  # tokens ~free to verify
+DEAR = [(4, 0.05, False), (16, 0.50, False), (8, 0.2, False)]  # a token costs most of a step
 
 
 def test_forced_mixed_lengths_and_empty_drafts_go_round(tiny_target, hf):
@@ -387,3 +387,21 @@ def test_sampled_confidence_only_where_no_drawn_token_decides(tiny_target):
         assert 0.0 < branch.confidence[0] <= 1.0
     for branch in w.seqs["g"].cache.entries.values():
         assert all(c is not None and 0.0 < c <= 1.0 for c in branch.confidence)
+
+
+def test_speculation_must_beat_plain_decoding_on_the_lent_cores(tiny_target, hf):
+    """On CPU the draft's core can run the target while the draft idles: a speculation
+    that beats plain decoding on the target's own core but not on both sends nothing."""
+    w = worker(tiny_target, controller={"policy": "auto"})
+    p = [5, 17, 99, 3, 250, 7]
+    step(w, [("a", None, p, None)], [], CHEAP)
+    w.prespeculate()
+    bonus = hf_greedy(hf, p, 1)
+    lent = [(1, 0.005, True), (2, 0.0051, True)]  # ten times faster on every core
+    results, _, _, idle = w.step([("a", bonus, None, None)], [], CHEAP + lent)
+    assert results[0][0] == [] and idle == 0  # no batch size pays: the proposer lends
+    pinned = worker(tiny_target, controller={"policy": "auto", "lend_cores": False})
+    step(pinned, [("a", None, p, None)], [], CHEAP)
+    pinned.prespeculate()
+    (spec, _, _), = step(pinned, [("a", bonus, None, None)], [], CHEAP + lent)
+    assert len(spec) == 3  # no lending: the lent measurements are not its alternative

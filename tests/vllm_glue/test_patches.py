@@ -161,7 +161,19 @@ def test_omp_binding_takes_the_draft_cores_out_of_vllms_auto_lists(tiny_draft, m
     if len(cores) < 2:
         pytest.skip("needs 2 cores")
     assert ompmultiprocessing.OMPProcessManager(plain).cpu_lists == [cores]
-    assert ompmultiprocessing.OMPProcessManager(ssd).cpu_lists == [[c for c in cores if c != 1]]
+    target = [c for c in cores if c != 1]
+    pinned = dict(ssd.additional_config["saguaro"], controller={"lend_cores": False})
+    no_lending = SimpleNamespace(parallel_config=parallel, kv_transfer_config=None,
+                                 additional_config={"saguaro": pinned})
+    assert ompmultiprocessing.OMPProcessManager(no_lending).cpu_lists == [target]
+    # core lending (vllm_glue/lending.py): OpenMP gets the target's cores, then the
+    # draft's, and a team the size of the target's
+    monkeypatch.setenv("LD_PRELOAD", "/x/libiomp5.so")
+    manager = ompmultiprocessing.OMPProcessManager(ssd)
+    assert manager.cpu_lists == [target + [1]]
+    with manager.configure_omp_envs(0, 0):
+        assert os.environ["OMP_NUM_THREADS"] == str(len(target))
+        assert os.environ["KMP_AFFINITY"].endswith(f"proclist=[{','.join(map(str, target + [1]))}]")
 
 
 def test_draft_gpu_must_differ_from_target(tiny_draft):

@@ -17,6 +17,7 @@ def idle_proposer(limit):
     p.metrics = SaguaroMetrics(0.0)
     p.target_steps, p._width, p._last_done = [], None, None
     p.idle_above, p._idle_since, p._finished_while_idle = limit, time.monotonic(), set()
+    p.lending = None
     return p
 
 
@@ -39,3 +40,61 @@ def test_idle_ends_when_the_batch_shrinks_or_after_a_while(monkeypatch):
     p = idle_proposer(2)
     p._idle_since -= mod.IDLE_RECHECK_S + 1
     assert not p._idle(8, set(), 0.0)
+
+
+LENDING_SCRIPT = """
+import json, os, torch
+from vllm_saguaro.core.placement import process_threads
+from vllm_saguaro.vllm_glue.lending import CoreLending, lending_binding
+a, b = int(os.environ["A"]), int(os.environ["B"])
+torch.ones(1 << 20).sum()  # the team of one vLLM's worker starts with
+lending = CoreLending([b])
+out = {"binding": lending_binding([b]), "own": lending.own}
+lending.lend()
+torch.ones(1 << 22).sum()
+out["lent"] = [torch.get_num_threads(), sorted({c for t in process_threads() for c in t.cores})]
+lending.give_back()
+out["back"] = torch.get_num_threads()
+print(json.dumps(out))
+"""
+
+
+def test_core_lending_grows_the_team_onto_the_draft_cores_and_back():
+    """The target's OpenMP team takes the draft's core while the draft idles, bound there
+    by OpenMP from the affinity list vLLM starts the worker with (target's cores, then the
+    draft's), and shrinks back to its own size. A fresh process with GNU OpenMP's list."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import pytest
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    a, b = cores[:2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GOMP_CPU_AFFINITY": f"{a} {b}",
+           "A": str(a), "B": str(b)}
+    env.pop("KMP_AFFINITY", None)
+    proc = subprocess.run([sys.executable, "-c", LENDING_SCRIPT], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["binding"] and r["own"] == 1
+    assert r["lent"] == [2, [a, b]]  # a thread on each core
+    assert r["back"] == 1
+
+
+def test_lending_binding_reads_openmps_lists(monkeypatch):
+    from vllm_saguaro.vllm_glue.lending import lending_binding
+
+    monkeypatch.setenv("KMP_AFFINITY", "granularity=fine,explicit,proclist=[0,1]")
+    assert lending_binding([1]) and not lending_binding([0])
+    monkeypatch.setenv("KMP_AFFINITY", "granularity=fine,explicit,proclist=[0]")
+    assert not lending_binding([1])
+    monkeypatch.delenv("KMP_AFFINITY")
+    monkeypatch.setenv("GOMP_CPU_AFFINITY", "2 3 7")
+    assert lending_binding([7]) and not lending_binding([3])
+    monkeypatch.delenv("GOMP_CPU_AFFINITY")
+    assert not lending_binding([1])

@@ -129,16 +129,26 @@ def choose_lengths(cands: list[Candidate], target_s: Callable[[int], float],
     return best  # type: ignore[return-value]
 
 
-def batch_limit(alpha: float, k: int, target_s: Callable[[int], float],
+def batch_limit(speculative_rate: Callable[[int], float], plain_s: Callable[[int], float],
                 max_batch: int) -> int:
-    """The largest batch size (up to max_batch) at which speculation pays even when every
-    sequence hits (its K tokens free, each accepted with alpha); 0 if none. Above it the
-    draft can stay idle: not even a perfect cache would make speculation pay."""
-    free = Candidate(free=(alpha,) * k, cap=k)
+    """The largest batch size (up to max_batch) at which speculation's expected tokens per
+    second beat plain decoding's (batch / plain_s(batch)); 0 if none. Above it the draft
+    can stay idle. plain_s is the step time of plain decoding: on the target's own cores,
+    or on the draft's too when they can be lent to it (vllm_glue/lending.py)."""
     for b in range(max_batch, 0, -1):
-        if sum(choose_lengths([free] * b, target_s, lambda rows: 0.0).lengths) > 0:
+        if speculative_rate(b) > b / max(plain_s(b), 1e-9):
             return b
     return 0
+
+
+def speculation_pays(cands: list[Candidate], target_s: Callable[[int], float],
+                     plain_s: Callable[[int], float] | None = None,
+                     draft_step_s: Callable[[int], float] = lambda rows: 0.0) -> bool:
+    """Whether the best plan sends anything and beats plain decoding at plain_s."""
+    plan = choose_lengths(cands, target_s, draft_step_s)
+    if not sum(plan.lengths):
+        return False
+    return plain_s is None or plan.rate > len(cands) / max(plain_s(len(cands)), 1e-9)
 
 
 class StepCost:

@@ -19,7 +19,8 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
-from vllm_saguaro.core.controller import Candidate, StepCost, batch_limit, choose_lengths
+from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, choose_lengths,
+                                          speculation_pays)
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
@@ -28,6 +29,7 @@ from vllm_saguaro.core.sampling import (SamplingSpec, draft_distribution,
                                         quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
                                          select_outcomes)
+from vllm_saguaro.core.theory import sd_rate, ssd_rate
 from vllm_saguaro.draft.fork import fanout_roots, outcome_estimates
 from vllm_saguaro.draft.kv import PagedKVCache
 from vllm_saguaro.draft.linear import fp16_supported
@@ -40,8 +42,9 @@ Update = tuple[str, "list[int] | None", "list[int] | None", "tuple | None"]
 # (draft tokens, 0..K of them, hit flag, q as uint16 counts [len(tokens), head]
 #  (core/sampling.py) or None for greedy)
 Result = tuple[list[int], "bool | None", object]
-# A target step the proposer measured: (tokens it verified, seconds)
-TargetStep = tuple[int, float]
+# A target step the proposer measured: (tokens it verified, seconds, whether it ran on the
+# draft's cores too: vllm_glue/lending.py)
+TargetStep = tuple[int, float, bool]
 
 # Test-only fault injection: verify with the unmodified draft q instead of the sigma the
 # draft sampled from. The losslessness tests use it to show they catch such a bug.
@@ -147,8 +150,14 @@ class DraftWorker:
         self.target_cost = StepCost(ctl.target_fixed_s, ctl.target_per_token_s,
                                     token_cost=ctl.token_cost)
         self.draft_cost = StepCost()
+        # plain decoding with the draft's cores lent to the target (CPU, while idle): the
+        # alternative speculation must beat there (None: no lending)
+        self.lent_cost = StepCost() if (ctl.lend_cores and ctl.idle and ctl.policy == "auto"
+                                        and cfg.draft_device == "cpu") else None
         self.fast_acceptance = AcceptanceFit(0.2)
+        self.hit_rate = 0.5  # of lookups, an exponential average (the idle decision's p_hit)
         self._cap = self.K        # the most tokens a sequence may send this step
+        self._limit: int | None = None  # this step: the draft idles above this batch size
         self._round = 0
         self.budget_control = BudgetControl(cfg.fanout.budget)  # fit_to_round
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
@@ -218,16 +227,19 @@ class DraftWorker:
             if self._prespec_pending and self.cfg.fanout.fit_to_round:
                 self.budget_control.observe(overran)
             self._prespec_pending = False
-            for width, seconds in target_steps:
-                self.target_cost.observe(width, seconds)
+            for width, seconds, lent in target_steps:
+                if not lent:
+                    self.target_cost.observe(width, seconds)
+                elif self.lent_cost is not None:
+                    self.lent_cost.observe(width, seconds)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
+            self._limit = self._idle_limit(len(updates))
             results = self._step(updates, finished)
-            limit = self._idle_limit(results)
             self._note_models()
         done = time.perf_counter()
         # hit and miss rounds' waits are the proposer's to split (vllm_glue/metrics.py)
         self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
-        return results, wait, done - t0 - wait, limit
+        return results, wait, done - t0 - wait, self._limit
 
     def _certain_miss(self, update: Update) -> bool:
         rid, sampled, full, _ = update
@@ -275,6 +287,7 @@ class DraftWorker:
             else:
                 self.stats.hits += 1
                 hits[i] = hit
+            self.hit_rate = 0.98 * self.hit_rate + 0.02 * (hit is not None)
         f = self.cfg.fanout
         if f.policy != "uniform" and (f.fit_acceptance or f.fit_to_round):
             self.fanout = self._fanout()
@@ -283,6 +296,10 @@ class DraftWorker:
         cands = [self._candidate(i, updates[i][0], hits.get(i), i in looked_up, i in fresh)
                  for i in range(len(updates))]
         plan = self._plan(cands)
+        if self._limit is not None or not self._beats_lent_plain(plan, len(updates)):
+            plan = choose_lengths([Candidate(cap=0)] * len(updates), self.target_cost.predict,
+                                  self.draft_cost.predict)
+            cands = [Candidate(cap=0)] * len(updates)
         specs: dict[int, Speculation] = dict(hits)
         sources = {i: "hit" for i in hits}
         neural = [i for i in misses if plan.neural[i]]
@@ -396,16 +413,56 @@ class DraftWorker:
         return choose_lengths(final, self.target_cost.predict, lambda rows: 0.0,
                               sunk_s=sunk).lengths
 
-    def _idle_limit(self, results: list[Result]) -> int | None:
-        """When nothing was sent and not even all hits would pay at this batch size: the
-        largest batch size at which speculation could (the proposer stays away above it)."""
+    def _plain_s(self):
+        """Plain decoding's step time with the draft's cores lent to the target: measured
+        once it has run so, before that the target's own step time / lent_speedup."""
+        if self.lent_cost is None:
+            return None
+        if self.lent_cost.known:
+            return self.lent_cost.predict
+        if not self.target_cost.known:
+            return None
+        ctl, draft = self.cfg.controller, len(self.cfg.draft_cpu_cores or [1])
+        if ctl.lent_speedup is not None:
+            gain = ctl.lent_speedup
+        else:
+            target = max(1, (os.cpu_count() or 2) - draft)  # the machine's other cores
+            gain = 1.0 + 0.4 * draft / target
+        return lambda w: self.target_cost.predict(w) / gain
+
+    def _beats_lent_plain(self, plan, batch: int) -> bool:
+        """Speculating this step must beat plain decoding on every core (when the
+        draft's cores can be lent to the target)."""
+        plain = self._plain_s()
+        if plain is None or not sum(plan.lengths) or self.cfg.controller.force_lengths is not None:
+            return True
+        return plan.rate > batch / max(plain(batch), 1e-9)
+
+    def _idle_limit(self, batch: int) -> int | None:
+        """If speculation's expected rate (core/theory.py with the fitted a_p, the hit
+        rate, the measured costs; the best K up to the cap) does not beat plain decoding
+        at this batch size, the largest batch size at which it would: this step sends
+        nothing, and the proposer leaves the draft idle (and lends its cores) while the
+        batch is larger. None: speculate as the plan says."""
         ctl = self.cfg.controller
         if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
-                or not self.target_cost.known or any(r[0] for r in results) or not results):
+                or not self.target_cost.known or not batch):
             return None
-        limit = batch_limit(self.acceptance.rate, self._cap, self.target_cost.predict,
-                            max_batch=len(results))
-        return limit if limit < len(results) else None
+        plain = self._plain_s() or self.target_cost.predict
+        limit = batch_limit(self._expected_rate, plain, max_batch=batch)
+        return limit if limit < batch else None
+
+    def _expected_rate(self, batch: int) -> float:
+        """Tokens per second speculation is expected to give at this batch size."""
+        a, t, d = self.acceptance.rate, self.target_cost.predict, self.draft_cost.predict
+        ks = range(1, self._cap + 1)
+        if not self.cfg.async_:
+            return max((sd_rate(a, k, batch, t, d) for k in ks), default=0.0)
+        fast = [None] if self.cfg.fallback == "neural" else [None, self.fast_acceptance.rate]
+        if self.cfg.fallback == "fast":
+            fast = [self.fast_acceptance.rate]
+        return max((ssd_rate(a, k, self.hit_rate, batch, t, d, a_fast=f) for k in ks for f in fast),
+                   default=0.0)
 
     def _prespeculation_pays(self, batch: int) -> bool:
         """Pre-speculate only what the next step could use: with the fitted a_p, would any
@@ -415,8 +472,7 @@ class DraftWorker:
         if ctl.policy != "auto" or ctl.force_lengths is not None or not self.target_cost.known:
             return True
         hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
-        return sum(choose_lengths([hit] * batch, self.target_cost.predict,
-                                  lambda rows: 0.0).lengths) > 0
+        return speculation_pays([hit] * batch, self.target_cost.predict, self._plain_s())
 
     def _note_miss(self, outcome: Outcome, cache, roots, aborted: bool) -> None:
         """Count the miss under its reason (stats.MISS_REASONS)."""

@@ -282,8 +282,15 @@ def _saguaro_cpu_cores(vllm_config) -> list[int] | None:
     return cfg.get("draft_cpu_cores")
 
 
+def _lends_cores(cfg: dict) -> bool:
+    """The controller may lend the draft's cores to the target (vllm_glue/lending.py)."""
+    ctl = {"policy": "auto", "idle": True, "lend_cores": True, **(cfg.get("controller") or {})}
+    return ctl["policy"] == "auto" and ctl["idle"] and ctl["lend_cores"]
+
+
 def patch_omp_binding() -> None:
-    """Why: on CPU the target's OpenMP threads must stay off the draft's cores.
+    """Why: on CPU the target's OpenMP threads must stay off the draft's cores, except
+    while the draft idles and lends them.
 
     vLLM binds a worker's threads through OMPProcessManager (VLLM_CPU_OMP_THREADS_BIND;
     auto = its own choice of cores), which exports OMP_PLACES & co. before the worker
@@ -291,7 +298,14 @@ def patch_omp_binding() -> None:
     taken out of its per-rank lists here (core/placement.py); a user's explicit binding
     is kept (the config refused one that overlaps the draft). 'nobind' is respected,
     with a warning that the target may then share the draft's cores.
+    With core lending (one rank, Intel or GNU OpenMP, whose affinity lists bind thread i
+    to core i): the list given to OpenMP is the target's cores followed by the draft's,
+    and OMP_NUM_THREADS the target's count, so the team runs on the target's cores, and
+    the threads it adds when the draft lends its cores (torch's set_num_threads) are
+    bound to the draft's cores by OpenMP itself.
     """
+    from contextlib import contextmanager
+
     from vllm.utils import ompmultiprocessing
 
     if not _once("omp_binding"):
@@ -300,6 +314,7 @@ def patch_omp_binding() -> None:
 
     manager = ompmultiprocessing.OMPProcessManager
     original = manager.__init__
+    original_envs = manager.configure_omp_envs
 
     def __init__(self, config, *args, **kwargs):
         original(self, config, *args, **kwargs)
@@ -320,8 +335,23 @@ def patch_omp_binding() -> None:
         logging.getLogger("vllm_saguaro").info(
             "Saguaro: target threads bound by vLLM to cores %s, draft worker on cores %s",
             self.cpu_lists, draft)
+        if (_lends_cores(_saguaro_config(config)) and len(self.cpu_lists) == 1
+                and (getattr(self, "use_iomp", False) or getattr(self, "use_gomp", False))):
+            self.saguaro_threads = [len(cores) for cores in self.cpu_lists]
+            self.cpu_lists = [cores + sorted(draft) for cores in self.cpu_lists]
+
+    @contextmanager
+    def configure_omp_envs(self, rank: int, local_rank: int):
+        with original_envs(self, rank, local_rank):
+            threads = getattr(self, "saguaro_threads", None)
+            if threads:  # restored with the others when the context exits
+                import os
+
+                os.environ["OMP_NUM_THREADS"] = str(threads[local_rank])
+            yield
 
     manager.__init__ = __init__
+    manager.configure_omp_envs = configure_omp_envs
 
 
 def kv_size_leaving_the_draft(size: int, saguaro: dict | None, explicit: bool) -> int:

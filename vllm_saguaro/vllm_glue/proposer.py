@@ -98,12 +98,13 @@ class SaguaroProposer:
         self.head_ids = None         # the draft head's vocabulary ids (q's columns)
         self.mirror: dict[str, _Mirror] = {}
         self.metrics = SaguaroMetrics(self.cfg.log_stats_interval_s)
-        self.target_steps: list[tuple[int, float]] = []  # measured since the last call
+        self.target_steps: list[tuple[int, float, bool]] = []  # measured since the last call
         self._width: int | None = None    # tokens the last round verified (None: not clean)
         self._last_done: float | None = None
         self.idle_above: int | None = None  # the draft idles while the batch is larger
         self._idle_since = 0.0
         self._finished_while_idle: set[str] = set()
+        self.lending = None  # CoreLending: the draft's cores for the target while it idles
 
     # vLLM calls this once the target is loaded; the draft starts then, on its own device.
     def load_model(self, target_model=None) -> None:
@@ -121,6 +122,14 @@ class SaguaroProposer:
                 bind_in_process_target(cfg.draft_cpu_cores)
             else:
                 check_target_placement(cfg.draft_cpu_cores)
+            ctl = cfg.controller
+            if ctl.idle and ctl.lend_cores and ctl.policy == "auto" and not self.in_process:
+                from vllm_saguaro.vllm_glue.lending import CoreLending, lending_binding
+
+                if lending_binding(cfg.draft_cpu_cores):
+                    self.lending = CoreLending(cfg.draft_cpu_cores)
+            if self.lending is None:  # the draft's controller must not count on it
+                cfg.controller = cfg.controller.model_copy(update={"lend_cores": False})
         else:
             check_draft_gpu(cfg, self.target_device)
         self.actor = make_ray_worker(cfg.to_json_dict(), self.vocab_size)
@@ -154,7 +163,8 @@ class SaguaroProposer:
             self.load_model()
         start = time.perf_counter()
         if self._width is not None and self._last_done is not None and start - self._last_done < 5.0:
-            self.target_steps = (self.target_steps + [(self._width, start - self._last_done)])[-8:]
+            lent = self.lending is not None and self.lending.lent
+            self.target_steps = (self.target_steps + [(self._width, start - self._last_done, lent)])[-8:]
         decoding = sum(1 for s in sampled_token_ids if s)
         self._width = None
         if self._idle(decoding, finished, start):
@@ -196,6 +206,8 @@ class SaguaroProposer:
             self.mirror[rid] = _Mirror(n, tokens)
         if limit is not None:
             self.idle_above, self._idle_since = limit, time.monotonic()
+            if self.lending is not None:
+                self.lending.lend()
         elif self.cfg.async_ and rows:
             self.pending = self.actor.prespeculate.remote()
         probs = self._draft_probs(len(req_ids), rows, results)
@@ -219,10 +231,15 @@ class SaguaroProposer:
         batch this large; wake when the batch shrinks to where it could, or to recheck."""
         if self.idle_above is None:
             return False
+        if not decoding:  # only prefills in this step (a batch arriving): nothing to decide
+            self._finished_while_idle |= finished
+            return True
         if decoding > self.idle_above and time.monotonic() - self._idle_since < IDLE_RECHECK_S:
             self._finished_while_idle |= finished
             return True
         self.idle_above = None  # the draft resynchronises every sequence (mirror mismatch)
+        if self.lending is not None:
+            self.lending.give_back()  # before the draft runs again on its cores
         return False
 
     def _draft_probs(self, num_rows: int, rows, results) -> torch.Tensor | None:
@@ -251,6 +268,8 @@ class SaguaroProposer:
         return ray.get(self.actor.threads.remote())
 
     def shutdown(self) -> None:
+        if self.lending is not None:
+            self.lending.give_back()
         if self.actor is not None:
             _kill(self.actor)
             self.actor = None

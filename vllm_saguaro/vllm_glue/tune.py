@@ -63,27 +63,29 @@ def engine(target: str, spec: dict | None, args):
 
     return LLM(model=target, speculative_config=spec, enforce_eager=True,
                max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
-               dtype=args.dtype, disable_log_stats=True)
+               dtype=args.dtype, disable_log_stats=False)  # per-request timestamps
 
 
-def decode(llm, prompts: list[str], batch: int, max_tokens: int) -> float:
-    """Decode tok/s of the whole batch (median over batches), from vLLM's timestamps."""
+def decode(llm, prompts: list[str], batch: int, max_tokens: int, num_prompts: int) -> float:
+    """Decode tok/s of the whole batch (prefill left out: from the first token to the last,
+    vLLM's per-request timestamps), median over max(num_prompts, batch) prompts' batches."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    use = prompts[:max(num_prompts, batch)]
     rates = []
-    for i in range(0, len(prompts) - batch + 1, batch) or [0]:
-        chunk = prompts[i:i + batch] or prompts[:batch]
-        t0 = time.perf_counter()
-        outs = llm.generate(chunk, sp, use_tqdm=False)
-        rates.append(sum(len(o.outputs[0].token_ids) - 1 for o in outs) / (time.perf_counter() - t0))
+    for i in range(0, len(use) - batch + 1, batch):
+        outs = llm.generate(use[i:i + batch], sp, use_tqdm=False)
+        first = min(o.metrics.first_token_ts for o in outs)
+        last = max(o.metrics.last_token_ts for o in outs)
+        rates.append(batch * (max_tokens - 1) / max(last - first, 1e-9))
     return statistics.median(rates)
 
 
 def base_spec(args, **over) -> dict:
     spec = {"method": "saguaro", "draft_model": args.draft, "num_speculative_tokens": args.k,
             "fanout": {"budget": args.budget}, "saguaro_c": args.saguaro_c,
-            "log_stats_interval_s": 0}
+            "draft_head_tokens": args.draft_head_tokens, "log_stats_interval_s": 0}
     spec.update(over)
     return spec
 
@@ -98,7 +100,7 @@ def measure_costs(args, prompts) -> dict:
     out = {}
     for b in args.batches:
         log(f"costs: batch {b}")
-        decode(llm, prompts, b, args.max_tokens)
+        decode(llm, prompts, b, args.max_tokens, args.num_prompts)
     d = engine_report(llm)["draft"]
     shutdown(llm)
     for key in ("target_fixed_s", "target_per_token_s", "draft_fixed_s", "draft_per_row_s",
@@ -117,7 +119,7 @@ def measure_hits(args, prompts) -> dict[int, dict]:
     out = {}
     for b in args.batches:
         before = engine_report(llm)["draft"]
-        rate = decode(llm, prompts, b, args.max_tokens)
+        rate = decode(llm, prompts, b, args.max_tokens, args.num_prompts)
         after = engine_report(llm)["draft"]
         lookups = after["lookups"] - before["lookups"]
         p = (after["hits"] - before["hits"]) / lookups if lookups else 0.0
@@ -161,6 +163,7 @@ def write_yaml(path: str, args, k: int, costs: dict) -> dict:
     cfg = {"method": "saguaro", "draft_model": args.draft, "num_speculative_tokens": k,
            "fanout": {"policy": "probable", "budget": args.budget},
            "saguaro_c": args.saguaro_c, "fallback": "auto",
+           "draft_head_tokens": args.draft_head_tokens,
            "controller": {"policy": "auto",
                           "target_fixed_s": round(max(costs["target_fixed_s"], 1e-4), 5),
                           "target_per_token_s": round(max(costs["target_per_token_s"], 0.0), 6)}}
@@ -177,11 +180,11 @@ def check(args, cfg: dict, prompts) -> dict[int, float]:
 
     measured = {}
     llm = engine(args.target, None, args)
-    alone = {b: decode(llm, prompts, b, args.max_tokens) for b in args.batches}
+    alone = {b: decode(llm, prompts, b, args.max_tokens, args.num_prompts) for b in args.batches}
     shutdown(llm)
     llm = engine(args.target, cfg, args)
     for b in args.batches:
-        measured[b] = decode(llm, prompts, b, args.max_tokens) / alone[b]
+        measured[b] = decode(llm, prompts, b, args.max_tokens, args.num_prompts) / alone[b]
         log(f"check: batch {b}: measured speedup {measured[b]:.2f}")
     shutdown(llm)
     return measured
@@ -196,6 +199,8 @@ def parse_args(argv):
     p.add_argument("-k", type=int, default=3, help="K measured for the hit rate (default 3)")
     p.add_argument("--budget", type=int, default=8, help="fan-out budget (default 8)")
     p.add_argument("--saguaro-c", type=float, default=0.5, help="C of Saguaro sampling (0.5)")
+    p.add_argument("--draft-head-tokens", type=int, help="the draft's head cut "
+                   "(draft_head_tokens; default: the whole vocabulary)")
     p.add_argument("--prompts", help="a file of prompts: one per line, or JSON lines "
                    "with a 'prompt' field (default: 8 built-in chat and code prompts)")
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per batch size (8)")

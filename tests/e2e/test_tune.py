@@ -1,0 +1,32 @@
+"""vllm-saguaro tune end to end on tiny models, as a user runs it (a subprocess): it
+measures, predicts, and writes a saguaro.yaml the plugin accepts."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from vllm_saguaro.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tune_writes_a_valid_recommended_config(tmp_path, tiny_target, tiny_draft):
+    out, js = tmp_path / "saguaro.yaml", tmp_path / "tune.json"
+    cmd = [sys.executable, "-m", "vllm_saguaro.vllm_glue.cli", "tune", str(tiny_target),
+           "--draft", str(tiny_draft), "--batches", "1,2", "--ks", "1,2", "-k", "2",
+           "--num-prompts", "2", "--max-tokens", "10", "--dtype", "float32",
+           "--max-model-len", "256", "--out", str(out), "--json", str(js)]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "predicted speedup" in proc.stdout and "recommended K=" in proc.stdout
+    result = json.loads(js.read_text())
+    costs = result["costs"]
+    assert costs["target_fixed_s"] > 0 and costs["target_per_token_s"] >= 0
+    assert costs["draft_fixed_s"] is not None and 0 < costs["acceptance_rate"] < 1
+    assert len(result["predictions"]) == 2 * 2 * 2  # batches x K x (SD, SSD)
+    assert all(r["speedup"] > 0 for r in result["predictions"])
+    cfg = load_config(str(out))
+    assert cfg.num_speculative_tokens == result["recommended_k"] in (1, 2)
+    assert cfg.controller.policy == "auto" and cfg.controller.target_fixed_s > 0

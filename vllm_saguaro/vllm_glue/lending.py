@@ -1,0 +1,56 @@
+"""Lend the draft's cores to the target while the draft idles (CPU only).
+
+On a CPU machine the draft's "device" is a core taken from the target. While the
+controller finds that speculation cannot pay at the batch size running, the draft is not
+called at all (proposer.py); its core would then sit idle, and the target would decode
+on fewer cores than plain vLLM has. So the target's OpenMP team grows onto the draft's
+cores for that time and shrinks back before the draft is called again.
+
+The binding is OpenMP's own: vLLM starts the worker with an affinity list that has the
+target's cores and then the draft's, and a team the size of the target's
+(patches.patch_omp_binding), so growing the team with torch's set_num_threads (vLLM's CPU
+worker stubs the torch.set_num_threads wrapper) puts the new threads on the draft's cores.
+The threads stay when the team shrinks (OpenMP parks them) and come back on the next loan.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+
+
+def lending_binding(draft_cores: list[int]) -> bool:
+    """Whether this worker was started so that its OpenMP team can grow onto the draft's
+    cores: Intel OpenMP's KMP_AFFINITY proclist or GNU OpenMP's GOMP_CPU_AFFINITY ends
+    with them (patches.patch_omp_binding)."""
+    kmp = os.environ.get("KMP_AFFINITY", "")
+    if "proclist=[" in kmp:
+        listed = kmp.split("proclist=[", 1)[1].split("]", 1)[0].replace(" ", "")
+    else:
+        listed = ",".join(os.environ.get("GOMP_CPU_AFFINITY", "").split())
+    if not listed:
+        return False
+    order = [int(c) for c in listed.split(",") if c.isdigit()]
+    n = len(draft_cores)
+    return n > 0 and order[-n:] == sorted(draft_cores) and len(order) > n
+
+
+class CoreLending:
+    def __init__(self, draft_cores: list[int]):
+        self.draft_cores = sorted(draft_cores)
+        self.own = torch.get_num_threads()  # the target's team, on its own cores
+        self.lent = False
+
+    def lend(self) -> None:
+        """Grow the target's team onto the draft's cores (idempotent)."""
+        if not self.lent:
+            torch._C.set_num_threads(self.own + len(self.draft_cores))
+            self.lent = True
+
+    def give_back(self) -> None:
+        """Shrink the team to the target's own cores before the draft runs again."""
+        if self.lent:
+            torch._C.set_num_threads(self.own)
+            self.lent = False
