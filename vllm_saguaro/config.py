@@ -78,10 +78,6 @@ class ControllerConfig(BaseModel):
     lend_cores: bool = Field(
         True, description="CPU: while the draft idles, the target's threads run on the "
         "draft's cores too (vllm_glue/lending.py), so plain decoding has every core")
-    lent_speedup: float | None = Field(
-        None, gt=1.0, description="CPU: how much faster plain decoding runs on the target's "
-        "and the draft's cores together than on the target's alone, until measured; null = "
-        "1 + 0.4 x draft cores / target cores (1.38-1.41 measured with 1 + 1 cores)")
     force_lengths: list[int] | None = Field(
         None, description="testing switch: row i of round r sends force_lengths[(i + r) % n] "
         "tokens (capped by what it has); the losslessness tests use it for mixed lengths")

@@ -15,7 +15,7 @@ def idle_proposer(limit):
     p = mod.SaguaroProposer.__new__(mod.SaguaroProposer)
     p.actor, p.pending, p.mirror = _NoActor(), None, {}
     p.metrics = SaguaroMetrics(0.0)
-    p.target_steps, p._width, p._last_done = [], None, None
+    p.target_steps, p._width, p._last_done, p._prev_ids = [], None, None, set()
     p.idle_above, p._idle_since, p._finished_while_idle = limit, time.monotonic(), set()
     p.lending = None
     return p
@@ -35,11 +35,11 @@ def test_idle_rounds_skip_the_draft_and_keep_the_finished():
 
 def test_idle_ends_when_the_batch_shrinks_or_after_a_while(monkeypatch):
     p = idle_proposer(2)
-    assert p._idle(4, set(), 0.0) and p.idle_above == 2
-    assert not p._idle(2, set(), 0.0) and p.idle_above is None  # small enough: ask the draft
+    assert p._idle(4, set()) and p.idle_above == 2
+    assert not p._idle(2, set()) and p.idle_above is None  # small enough: ask the draft
     p = idle_proposer(2)
     p._idle_since -= mod.IDLE_RECHECK_S + 1
-    assert not p._idle(8, set(), 0.0)
+    assert not p._idle(8, set())
 
 
 LENDING_SCRIPT = """

@@ -55,3 +55,8 @@ def test_bad_arguments_are_refused(tmp_path, tiny_draft):
         tune.parse_args([str(tmp_path), "--draft", str(tiny_draft)])  # no checkpoint there
     with pytest.raises(SystemExit):
         tune.parse_args([str(tiny_draft), "--draft", str(tiny_draft), "--ks", "0,1"])
+
+
+def test_plain_decoding_on_lent_cores_sets_the_floor():
+    rows = [{"batch": 16, "k": 3, "system": "SSD", "speedup": 1.2}]
+    assert tune.recommend(rows, [3], plain=1.4) == (3, {16: 1.4})

@@ -154,6 +154,7 @@ class DraftWorker:
         # alternative speculation must beat there (None: no lending)
         self.lent_cost = StepCost() if (ctl.lend_cores and ctl.idle and ctl.policy == "auto"
                                         and cfg.draft_device == "cpu") else None
+        self.lent_widths: set[int] = set()
         self.fast_acceptance = AcceptanceFit(0.2)
         self.hit_rate = 0.5  # of lookups, an exponential average (the idle decision's p_hit)
         self._cap = self.K        # the most tokens a sequence may send this step
@@ -232,6 +233,7 @@ class DraftWorker:
                     self.target_cost.observe(width, seconds)
                 elif self.lent_cost is not None:
                     self.lent_cost.observe(width, seconds)
+                    self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._limit = self._idle_limit(len(updates))
             results = self._step(updates, finished)
@@ -414,21 +416,13 @@ class DraftWorker:
                               sunk_s=sunk).lengths
 
     def _plain_s(self):
-        """Plain decoding's step time with the draft's cores lent to the target: measured
-        once it has run so, before that the target's own step time / lent_speedup."""
-        if self.lent_cost is None:
+        """Plain decoding's step time with the draft's cores lent to the target, at the
+        batch sizes it has run so (measured: the gain differs by width, and was found
+        small at batch 1), the target's own elsewhere; None without lending."""
+        if self.lent_cost is None or not self.lent_widths or not self.target_cost.known:
             return None
-        if self.lent_cost.known:
-            return self.lent_cost.predict
-        if not self.target_cost.known:
-            return None
-        ctl, draft = self.cfg.controller, len(self.cfg.draft_cpu_cores or [1])
-        if ctl.lent_speedup is not None:
-            gain = ctl.lent_speedup
-        else:
-            target = max(1, (os.cpu_count() or 2) - draft)  # the machine's other cores
-            gain = 1.0 + 0.4 * draft / target
-        return lambda w: self.target_cost.predict(w) / gain
+        lent, own, seen = self.lent_cost.predict, self.target_cost.predict, self.lent_widths
+        return lambda w: min(lent(w), own(w)) if w in seen else own(w)
 
     def _beats_lent_plain(self, plan, batch: int) -> bool:
         """Speculating this step must beat plain decoding on every core (when the

@@ -101,6 +101,7 @@ class SaguaroProposer:
         self.target_steps: list[tuple[int, float, bool]] = []  # measured since the last call
         self._width: int | None = None    # tokens the last round verified (None: not clean)
         self._last_done: float | None = None
+        self._prev_ids: set[str] = set()  # the batch's requests at the last call
         self.idle_above: int | None = None  # the draft idles while the batch is larger
         self._idle_since = 0.0
         self._finished_while_idle: set[str] = set()
@@ -162,12 +163,17 @@ class SaguaroProposer:
         if self.actor is None:
             self.load_model()
         start = time.perf_counter()
-        if self._width is not None and self._last_done is not None and start - self._last_done < 5.0:
+        # the target's last step, for the controller's cost model: a decode step only (a
+        # request that joined the batch had its prefill in it), not after an idle gap
+        joined = bool(set(req_ids) - self._prev_ids)
+        self._prev_ids = set(req_ids)
+        if (self._width is not None and not joined and self._last_done is not None
+                and start - self._last_done < 5.0):
             lent = self.lending is not None and self.lending.lent
             self.target_steps = (self.target_steps + [(self._width, start - self._last_done, lent)])[-8:]
         decoding = sum(1 for s in sampled_token_ids if s)
         self._width = None
-        if self._idle(decoding, finished, start):
+        if self._idle(decoding, finished):
             self._width = decoding if decoding == len(req_ids) else None
             self.metrics.record_idle_round(decoding)
             self._last_done = time.perf_counter()
@@ -212,9 +218,9 @@ class SaguaroProposer:
             self.pending = self.actor.prespeculate.remote()
         probs = self._draft_probs(len(req_ids), rows, results)
         t2 = time.perf_counter()
-        fresh = any(u[1] is None for u in updates)
         if rows:
             # the target's side before a round with a new sequence was its prefill
+            fresh = any(u[1] is None for u in updates)
             self.metrics.record_round([flag for _, flag, _ in results], waited, t1 - t0 - waited,
                                       draft_s=computed, unpack_s=t2 - t1,
                                       started=None if fresh else t0,
@@ -226,7 +232,7 @@ class SaguaroProposer:
         self.metrics.round_done(self._last_done)
         return drafts, probs
 
-    def _idle(self, decoding: int, finished: set[str], now: float) -> bool:
+    def _idle(self, decoding: int, finished: set[str]) -> bool:
         """Stay away from the draft while the controller said speculation cannot pay at a
         batch this large; wake when the batch shrinks to where it could, or to recheck."""
         if self.idle_above is None:

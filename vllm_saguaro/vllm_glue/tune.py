@@ -145,13 +145,13 @@ def predict(costs: dict, hits: dict[int, dict], ks: list[int]) -> list[dict]:
     return rows
 
 
-def recommend(rows: list[dict], ks: list[int]) -> tuple[int, dict[int, float]]:
+def recommend(rows: list[dict], ks: list[int], plain: float = 1.0) -> tuple[int, dict[int, float]]:
     """K for the yaml: the controller may send fewer at any batch size (0 = plain
-    decoding, speedup 1), so K scores the mean over batch sizes of the best SSD speedup
-    at any length up to K; ties go to the smaller K."""
+    decoding, at speedup `plain`), so K scores the mean over batch sizes of the best SSD
+    speedup at any length up to K; ties go to the smaller K."""
     def at(b: int, k: int) -> float:
         got = [r["speedup"] for r in rows if r["batch"] == b and r["system"] == "SSD" and r["k"] <= k]
-        return max([1.0] + got)
+        return max([plain] + got)
 
     batches = sorted({r["batch"] for r in rows})
     score = {k: statistics.mean(at(b, k) for b in batches) for k in ks}
