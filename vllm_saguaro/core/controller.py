@@ -141,14 +141,17 @@ def batch_limit(speculative_rate: Callable[[int], float], plain_s: Callable[[int
     return 0
 
 
+def beats_plain(plan: Plan, batch: int, plain_s: Callable[[int], float] | None) -> bool:
+    """Whether a plan's expected rate beats plain decoding's at step time plain_s (None:
+    plain decoding on the same cores, which the plan space already holds)."""
+    return plain_s is None or plan.rate > batch / max(plain_s(batch), 1e-9)
+
+
 def speculation_pays(cands: list[Candidate], target_s: Callable[[int], float],
-                     plain_s: Callable[[int], float] | None = None,
-                     draft_step_s: Callable[[int], float] = lambda rows: 0.0) -> bool:
-    """Whether the best plan sends anything and beats plain decoding at plain_s."""
-    plan = choose_lengths(cands, target_s, draft_step_s)
-    if not sum(plan.lengths):
-        return False
-    return plain_s is None or plan.rate > len(cands) / max(plain_s(len(cands)), 1e-9)
+                     plain_s: Callable[[int], float] | None = None) -> bool:
+    """Whether the best plan with free tokens sends anything and beats plain decoding."""
+    plan = choose_lengths(cands, target_s, lambda rows: 0.0)
+    return sum(plan.lengths) > 0 and beats_plain(plan, len(cands), plain_s)
 
 
 class StepCost:

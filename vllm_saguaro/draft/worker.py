@@ -19,8 +19,8 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
-from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, choose_lengths,
-                                          speculation_pays)
+from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beats_plain,
+                                          choose_lengths, speculation_pays)
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
@@ -293,7 +293,6 @@ class DraftWorker:
         f = self.cfg.fanout
         if f.policy != "uniform" and (f.fit_acceptance or f.fit_to_round):
             self.fanout = self._fanout()
-            self.stats.acceptance_rate = self.acceptance.rate
         # who drafts each miss and how many steps: the controller (core/controller.py)
         cands = [self._candidate(i, updates[i][0], hits.get(i), i in looked_up, i in fresh)
                  for i in range(len(updates))]
@@ -327,7 +326,7 @@ class DraftWorker:
             self.stats.fallback_s += sunk
             self.stats.fallback_rounds += 1
             self.stats.fallback_seqs += len(neural)
-        lengths = self._final_lengths(cands, specs, sources, plan, sunk)
+        lengths = self._final_lengths(cands, specs, sources, sunk)
         results: list[Result] = []
         for i, (rid, *_) in enumerate(updates):
             st, spec, n = self.seqs[rid], specs[i], lengths[i]
@@ -398,7 +397,7 @@ class DraftWorker:
         return choose_lengths(cands, self.target_cost.predict, self.draft_cost.predict)
 
     def _final_lengths(self, cands: list[Candidate], specs: dict[int, Speculation],
-                       sources: dict[int, str], plan, sunk: float) -> list[int]:
+                       sources: dict[int, str], sunk: float) -> list[int]:
         """With the tokens in hand (the fallback's cost now spent), the lengths once more:
         a drafted token the draft turned out unsure of is not worth verifying."""
         final = []
@@ -427,10 +426,9 @@ class DraftWorker:
     def _beats_lent_plain(self, plan, batch: int) -> bool:
         """Speculating this step must beat plain decoding on every core (when the
         draft's cores can be lent to the target)."""
-        plain = self._plain_s()
-        if plain is None or not sum(plan.lengths) or self.cfg.controller.force_lengths is not None:
+        if not sum(plan.lengths) or self.cfg.controller.force_lengths is not None:
             return True
-        return plan.rate > batch / max(plain(batch), 1e-9)
+        return beats_plain(plan, batch, self._plain_s())
 
     def _idle_limit(self, batch: int) -> int | None:
         """If speculation's expected rate (core/theory.py with the fitted a_p, the hit
@@ -452,9 +450,9 @@ class DraftWorker:
         ks = range(1, self._cap + 1)
         if not self.cfg.async_:
             return max((sd_rate(a, k, batch, t, d) for k in ks), default=0.0)
-        fast = [None] if self.cfg.fallback == "neural" else [None, self.fast_acceptance.rate]
-        if self.cfg.fallback == "fast":
-            fast = [self.fast_acceptance.rate]
+        # the backups a miss may get (None: the neural one): config `fallback`
+        fast = {"neural": [None], "fast": [self.fast_acceptance.rate],
+                "auto": [None, self.fast_acceptance.rate]}[self.cfg.fallback]
         return max((ssd_rate(a, k, self.hit_rate, batch, t, d, a_fast=f) for k in ks for f in fast),
                    default=0.0)
 
