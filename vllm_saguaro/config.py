@@ -93,6 +93,24 @@ class ControllerConfig(BaseModel):
         return self
 
 
+class SupervisionConfig(BaseModel):
+    """What the target does when the draft worker dies, raises or hangs
+    (vllm_glue/supervisor.py): it decodes without speculation, starts a new worker in the
+    background, and speculates again once that one is up."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    timeout_s: float = Field(
+        10.0, gt=0.0, description="the shortest wait for a draft reply after which the "
+        "draft counts as hung; the bound is the larger of this and timeout_factor x the "
+        "slowest of its last 32 replies")
+    timeout_factor: float = Field(20.0, ge=1.0, description="see timeout_s")
+    restart_s: float = Field(
+        5.0, ge=0.0, description="delay from a failure to the new worker's start; doubled "
+        "for each further failure in a row (a worker up for 2 minutes resets the count)")
+    restart_max_s: float = Field(300.0, ge=0.0, description="the longest restart delay")
+
+
 class SaguaroConfig(BaseModel):
     """Everything the plugin needs; see configs/saguaro.yaml for a documented example."""
 
@@ -103,6 +121,7 @@ class SaguaroConfig(BaseModel):
     num_speculative_tokens: int = Field(4, ge=1, le=32, description="K, draft tokens per round")
     fanout: FanoutConfig = Field(default_factory=FanoutConfig)
     controller: ControllerConfig = Field(default_factory=ControllerConfig)
+    supervision: SupervisionConfig = Field(default_factory=SupervisionConfig)
     num_speculative_tokens_per_batch_size: list[tuple[int, int, int]] | None = Field(
         None, description="vLLM's hand-written schedule, (first batch size, last batch size, "
         "K) per range: the most tokens a sequence may send at that batch size (the "
@@ -181,14 +200,33 @@ def _format_errors(err: ValidationError, source: str) -> str:
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
         if e["type"] == "extra_forbidden":
-            model = {"fanout": FanoutConfig, "controller": ControllerConfig}.get(
+            model = {"fanout": FanoutConfig, "controller": ControllerConfig,
+                     "supervision": SupervisionConfig}.get(
                 e["loc"][0] if len(e["loc"]) > 1 else "", SaguaroConfig)
             known = ", ".join(sorted(f.alias or n for n, f in model.model_fields.items()))
             msg = f"unknown key; known keys: {known}"
         else:
             msg = e["msg"]
+            about = _description(e["loc"])
+            if about:
+                msg += f" (the field: {about})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
+
+
+def _description(loc: tuple) -> str | None:
+    """The description of the field at `loc` (a path through the nested models)."""
+    model: type[BaseModel] = SaguaroConfig
+    for part in loc:
+        fields = {f.alias or n: f for n, f in model.model_fields.items()}
+        field = fields.get(part) if isinstance(part, str) else None
+        if field is None:
+            return None
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            model = field.annotation
+            continue
+        return field.description
+    return None
 
 
 def looks_like_config_path(value: Any) -> bool:

@@ -358,7 +358,7 @@ def test_controller_plain_decoding_and_idle_when_nothing_pays(tiny_target):
     updates = [(r, None, [5, 17, 99, 3 + i], None) for i, r in enumerate("abcd")]
     results, _, _, idle = w.step(updates, [], DEAR)
     assert all(d == [] for d, _, _ in results)
-    assert idle is not None and idle < 4  # the proposer leaves the draft alone above it
+    assert idle is not None and idle.limit < 4 and not idle.probe  # the proposer leaves the draft alone above it
     assert w.stats.fallback_rounds == 0, "nothing was sent, so nothing should be drafted"
     w.prespeculate()
     assert w.stats.prespec_skipped == 1 and all(st.cache is None for st in w.seqs.values())
@@ -399,9 +399,28 @@ def test_speculation_must_beat_plain_decoding_on_the_lent_cores(tiny_target, hf)
     bonus = hf_greedy(hf, p, 1)
     lent = [(1, 0.005, True), (2, 0.0051, True)]  # ten times faster on every core
     results, _, _, idle = w.step([("a", bonus, None, None)], [], CHEAP + lent)
-    assert results[0][0] == [] and idle == 0  # no batch size pays: the proposer lends
+    assert results[0][0] == [] and idle.limit == 0  # no batch size pays: the proposer lends
     pinned = worker(tiny_target, controller={"policy": "auto", "lend_cores": False})
     step(pinned, [("a", None, p, None)], [], CHEAP)
     pinned.prespeculate()
     (spec, _, _), = step(pinned, [("a", bonus, None, None)], [], CHEAP + lent)
     assert len(spec) == 3  # no lending: the lent measurements are not its alternative
+
+
+def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
+    """Where speculation beats plain decoding on the target's own core, plain decoding on
+    the lent cores has not run yet: the draft idles a few rounds there first (a probe),
+    then decides with that measurement, and does not probe that batch size again."""
+    w = worker(tiny_target, controller={"policy": "auto"})
+    p = [5, 17, 99, 3, 250, 7]
+    results, _, _, idle = w.step([("a", None, p, None)], [], CHEAP)
+    assert idle is not None and idle.probe and idle.limit == 0
+    assert w.stats.lent_probes == 1
+    bonus = hf_greedy(hf, p, 1)
+    slow = [(1, 0.06, True), (1, 0.061, True), (2, 0.07, True)]  # no faster than its own core
+    results, _, _, idle = w.step([("a", bonus, None, None)], [], CHEAP + slow)
+    assert idle is None and len(results[0][0]) > 0 and w.stats.lent_probes == 1
+    fast = [(1, 0.005, True), (1, 0.0051, True)]  # ten times faster: plain decoding wins
+    bonus = hf_greedy(hf, p + bonus + results[0][0], 1)
+    results, _, _, idle = w.step([("a", bonus, None, None)], [], fast * 4)
+    assert idle is not None and not idle.probe and results[0][0] == []

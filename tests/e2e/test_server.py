@@ -161,6 +161,57 @@ def test_server_threads_target_and_draft_on_their_own_cores(server):
     assert sum(t.cpu_s for t in threads) > before[worker[0]], "the target worker did no work"
 
 
+def _metric(url, name) -> float:
+    page = requests.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def test_server_survives_the_draft_process_killed_mid_stream(server, tiny_target):
+    """SIGKILL of the draft worker's process while a request streams: that request and
+    the ones after it complete with plain decoding's text, the failure is counted on
+    /metrics, and a new draft worker takes over."""
+    url, proc, _ = server
+    draft = [p for p, a in _session_processes(proc.pid).items() if "ray::DraftWorker" in a]
+    assert len(draft) == 1
+    failures = _metric(url, "vllm:saguaro_draft_failures_total")
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 300, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    chunks, after_kill = [], 0
+    with requests.post(url + "/v1/completions", timeout=300, stream=True, json=body) as s:
+        for line in s.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunks.append(json.loads(line[6:])["choices"][0]["text"])
+            if len(chunks) == 5:
+                os.kill(draft[0], signal.SIGKILL)
+            elif len(chunks) > 5:
+                after_kill += 1
+    assert after_kill > 0, "the request had finished before the kill"
+    from vllm import SamplingParams
+
+    llm = make_llm(tiny_target)
+    ref = llm.generate([PROMPT, "w30 w31"], SamplingParams(temperature=0, max_tokens=300,
+                                                           ignore_eos=True))
+    release(llm)
+    assert "".join(chunks) == ref[0].outputs[0].text
+    assert _metric(url, "vllm:saguaro_draft_failures_total") == failures + 1
+    deadline = time.time() + 90
+    while _metric(url, "vllm:saguaro_draft_restarts_total") < 1:  # the restart: 5 s on
+        assert time.time() < deadline, "no new draft worker within 90 s"
+        requests.post(url + "/v1/completions", timeout=120, json={   # rounds move it along
+            "model": "tiny", "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        time.sleep(1)
+    drafts = _metric(url, "vllm:spec_decode_num_drafts_total")
+    r = requests.post(url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "w30 w31", "max_tokens": 300, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref[1].outputs[0].text
+    assert _metric(url, "vllm:spec_decode_num_drafts_total") > drafts, "speculation did not resume"
+    alive = [p for p, a in _session_processes(proc.pid).items() if "ray::DraftWorker" in a]
+    assert len(alive) == 1 and alive != draft
+
+
 def test_server_stops_cleanly(server):
     """Ctrl-C (SIGINT to the process group): the server exits and takes the draft worker
     with it. vLLM's own abort-mode shutdown may log an EngineDeadError traceback (a race

@@ -176,6 +176,51 @@ def test_omp_binding_takes_the_draft_cores_out_of_vllms_auto_lists(tiny_draft, m
         assert os.environ["KMP_AFFINITY"].endswith(f"proclist=[{','.join(map(str, target + [1]))}]")
 
 
+def test_lent_gemms_get_a_row_stride_of_their_own():
+    """patch_lent_gemms: while lent, every linear layer's input reaches vLLM's GEMM with a
+    padded row stride (a oneDNN primitive key made for the lent team) and the same values;
+    unlent, the very tensor passes through."""
+    from types import SimpleNamespace
+
+    from vllm_saguaro.vllm_glue.lending import LENT_ROW_PAD
+
+    seen = []
+
+    def gemm(x, weight, bias):
+        seen.append(x)
+        return x @ weight.t()
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2), torch.nn.ReLU())
+    for layer in model[:2]:
+        layer.cpu_linear = gemm
+    lending = SimpleNamespace(lent=False)
+    assert patches.patch_lent_gemms(model, lending) == 2
+    x = torch.randn(5, 8)
+    w = model[0].weight.detach()
+    out = model[0].cpu_linear(x, w, None)
+    assert seen[-1] is x
+    lending.lent = True
+    lent = model[0].cpu_linear(x, w, None)
+    assert seen[-1].stride() == (8 + LENT_ROW_PAD, 1) and torch.equal(seen[-1], x)
+    torch.testing.assert_close(lent, out)
+
+
+def test_lent_input_is_a_new_onednn_key_with_the_same_result():
+    """Through vLLM's own oneDNN matmul: the lent input's result equals the contiguous one."""
+    from vllm import _custom_ops as ops
+
+    from vllm_saguaro.vllm_glue.lending import lent_input
+
+    if not getattr(ops, "_supports_onednn", False):
+        pytest.skip("this vLLM build has no oneDNN matmul")
+    w = torch.randn(96, 64)
+    handler = ops.create_onednn_mm(w.t(), 32)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(ops.onednn_mm(handler, lent_input(x), None),
+                                   ops.onednn_mm(handler, x, None))
+
+
 def test_draft_gpu_must_differ_from_target(tiny_draft):
     from vllm_saguaro.vllm_glue.proposer import check_draft_gpu
 

@@ -13,10 +13,11 @@ class _NoActor:
 
 def idle_proposer(limit):
     p = mod.SaguaroProposer.__new__(mod.SaguaroProposer)
-    p.actor, p.pending, p.mirror = _NoActor(), None, {}
+    p.supervisor, p.pending, p.mirror = _NoActor(), None, {}
     p.metrics = SaguaroMetrics(0.0)
     p.target_steps, p._width, p._last_done, p._prev_ids = [], None, None, set()
     p.idle_above, p._idle_since, p._finished_while_idle = limit, time.monotonic(), set()
+    p._probe_rounds = None
     p.lending = None
     return p
 
@@ -35,11 +36,25 @@ def test_idle_rounds_skip_the_draft_and_keep_the_finished():
 
 def test_idle_ends_when_the_batch_shrinks_or_after_a_while(monkeypatch):
     p = idle_proposer(2)
-    assert p._idle(4, set()) and p.idle_above == 2
-    assert not p._idle(2, set()) and p.idle_above is None  # small enough: ask the draft
+    assert p._idle(4, 4, set()) and p.idle_above == 2
+    assert not p._idle(2, 2, set()) and p.idle_above is None  # small enough: ask the draft
     p = idle_proposer(2)
     p._idle_since -= mod.IDLE_RECHECK_S + 1
-    assert not p._idle(8, set())
+    assert not p._idle(8, 8, set())
+
+
+def test_idle_holds_while_a_batch_arrives():
+    """Requests join a few at a time (their prefills): the batch, not the rows decoding
+    so far, decides, so the cores stay lent through the arrival."""
+    p = idle_proposer(2)
+    assert p._idle(8, 1, set()) and p._idle(8, 2, set()) and p.idle_above == 2
+
+
+def test_a_probe_of_the_lent_cores_lasts_a_few_rounds():
+    p = idle_proposer(3)
+    p._probe_rounds = mod.PROBE_ROUNDS
+    assert all(p._idle(4, 4, set()) for _ in range(mod.PROBE_ROUNDS))
+    assert not p._idle(4, 4, set()) and p.idle_above is None and p._probe_rounds is None
 
 
 LENDING_SCRIPT = """

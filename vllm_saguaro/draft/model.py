@@ -79,6 +79,67 @@ def check_draft_vocabulary(path: str | Path, target_vocab_size: int) -> DraftSpe
     return spec
 
 
+def _tokenizer_vocab(path: Path) -> dict | None:
+    """The token -> id map of a checkpoint's tokenizer.json (None if it has none)."""
+    f = path / "tokenizer.json"
+    if not f.is_file():
+        return None
+    try:
+        model = json.loads(f.read_text()).get("model", {})
+    except (OSError, ValueError):
+        return None
+    vocab = model.get("vocab")
+    return vocab if isinstance(vocab, dict) else None
+
+
+def _target_vocab_size(target: Path) -> int | None:
+    try:
+        cfg = json.loads((target / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # vLLM reports the target's own problems
+    return cfg.get("vocab_size") or (cfg.get("text_config") or {}).get("vocab_size")
+
+
+def check_draft_checkpoint(path: str | Path, target: str | Path | None = None) -> DraftSpec:
+    """Before any engine process starts: the draft checkpoint can be read (config.json,
+    safetensors headers) and speaks the target's tokenizer (vocabulary size and, where
+    both ship a tokenizer.json, the same vocabulary). Raises ValueError naming
+    draft_model and the fix; the weights are not loaded here."""
+    path = Path(path)
+    try:
+        spec = DraftSpec.from_dir(path)
+    except (ValueError, KeyError, TypeError) as err:  # JSON errors are ValueErrors
+        raise ValueError(f"draft_model {path}: config.json is not a usable Llama/Qwen "
+                         f"config ({type(err).__name__}: {err}); re-save the draft "
+                         "checkpoint with save_pretrained") from None
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"draft_model {path}: no *.safetensors weights; save the draft "
+                         "with save_pretrained(safe_serialization=True)")
+    from safetensors import safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                handle.keys()
+        except Exception as err:  # a truncated or foreign file
+            raise ValueError(f"draft_model {path}: {f.name} is not a readable safetensors "
+                             f"file ({err}); copy or save the checkpoint again") from None
+    if target is not None and Path(target).is_dir():
+        size = _target_vocab_size(Path(target))
+        if size is not None and size != spec.vocab_size:
+            raise ValueError(
+                f"draft_model {path} has a vocabulary of {spec.vocab_size} tokens but the "
+                f"target {target} has {size}: SSD needs a draft with the target's tokenizer")
+        mine, theirs = _tokenizer_vocab(path), _tokenizer_vocab(Path(target))
+        if mine is not None and theirs is not None and mine != theirs:
+            raise ValueError(
+                f"draft_model {path} ships another tokenizer than the target {target} "
+                "(their tokenizer.json vocabularies differ): SSD needs a draft trained "
+                "with the target's tokenizer")
+    return spec
+
+
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -45,6 +45,7 @@ class DraftStats:
     # pre-speculations skipped because no cached token would have been sent.
     sent: list[int] = field(default_factory=lambda: [0] * 33)
     prespec_skipped: int = 0
+    lent_probes: int = 0          # batch sizes idled once to measure the lent cores
     # The controller's cost models as now fitted (not cumulative): the target's step
     # t(w) = fixed + per_token x w, a neural draft step d(rows) = fixed + per_row x rows,
     # and the fast backup's per-token acceptance (vllm-saguaro tune reads them).

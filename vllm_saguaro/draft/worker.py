@@ -11,9 +11,11 @@ The class is plain Python; RayDraftWorker wraps it as an actor on a device of it
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -46,13 +48,24 @@ Result = tuple[list[int], "bool | None", object]
 # draft's cores too: vllm_glue/lending.py)
 TargetStep = tuple[int, float, bool]
 
-# Test-only fault injection: verify with the unmodified draft q instead of the sigma the
-# draft sampled from. The losslessness tests use it to show they catch such a bug.
+# Test-only fault injection. "unmodified_q": verify with the unmodified draft q instead of
+# the sigma the draft sampled from (the losslessness tests show they catch such a bug).
+# "die_at_step:N", "raise_at_step:N", "hang_at_step:N": the worker kills its own process,
+# raises or never answers in its N-th step() (the draft-failure tests); only the first
+# worker gets it, a restarted one too with a ":always" suffix.
 FAULT_ENV = "SAGUARO_FAULT_INJECTION"
 
 # Windows longer than this (prefills, resyncs) run one sequence at a time, so that one
 # long prompt does not pad every other sequence of the batch to its length.
 _BATCHED_WINDOW = 64
+
+
+class IdleAdvice(NamedTuple):
+    """The draft may idle while the batch is larger than `limit`; `probe`: only to
+    measure plain decoding on the lent cores at this batch size, so ask again soon."""
+
+    limit: int
+    probe: bool
 
 
 @dataclass
@@ -155,15 +168,17 @@ class DraftWorker:
         self.lent_cost = StepCost() if (ctl.lend_cores and ctl.idle and ctl.policy == "auto"
                                         and cfg.draft_device == "cpu") else None
         self.lent_widths: set[int] = set()
+        self._probed: set[int] = set()  # batch sizes idled once to measure the lent cores
         self.fast_acceptance = AcceptanceFit(0.2)
         self.hit_rate = 0.5  # of lookups, an exponential average (the idle decision's p_hit)
         self._cap = self.K        # the most tokens a sequence may send this step
-        self._limit: int | None = None  # this step: the draft idles above this batch size
+        self._limit: IdleAdvice | None = None  # this step: the draft idles above limit
         self._round = 0
         self.budget_control = BudgetControl(cfg.fanout.budget)  # fit_to_round
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
         self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
         self.fault = os.environ.get(FAULT_ENV, "")
+        self._steps = 0
         self.generator = torch.Generator().manual_seed(0)
         self.seqs: dict[str, SeqState] = {}
         self.stats = DraftStats()
@@ -202,12 +217,13 @@ class DraftWorker:
 
     def step(self, updates: list[Update], finished: list[str],
              target_steps: list[TargetStep] = (), k_cap: int | None = None
-             ) -> tuple[list[Result], float, float, int | None]:
+             ) -> tuple[list[Result], float, float, "IdleAdvice | None"]:
         """Commit each sequence's outcome and return its next speculation (0..K tokens, as
         the controller chose), how long this call waited for the pre-speculation in flight,
         how long it then computed (lookups, fallback; the rest of the target's wait is
-        transport) and, when the draft may stay idle, the largest batch size at which
-        speculation could pay (the proposer then stops calling while the batch is larger).
+        transport) and, when the draft may stay idle, an IdleAdvice: the largest batch
+        size at which speculation could pay (the proposer stops calling while the batch is
+        larger) and whether the idling is a probe of the lent cores (ask again soon).
 
         target_steps: the target's steps measured since the last call (the controller's
         cost model); k_cap: the most tokens a sequence may send (vLLM's
@@ -218,6 +234,9 @@ class DraftWorker:
         short: the fallback then drafts for the whole batch at once instead of after the
         tree decode.
         """
+        self._steps += 1
+        if self.fault:
+            self._inject_fault()
         t0 = time.perf_counter()
         overran = self._lock.locked()  # the pre-speculation did not fit the round
         if overran and any(self._certain_miss(u) for u in updates):
@@ -242,6 +261,17 @@ class DraftWorker:
         # hit and miss rounds' waits are the proposer's to split (vllm_glue/metrics.py)
         self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
         return results, wait, done - t0 - wait, self._limit
+
+    def _inject_fault(self) -> None:
+        """Test-only (FAULT_ENV): die, raise or hang in the N-th step()."""
+        kind, _, at = self.fault.partition("_at_step:")
+        if kind not in ("die", "raise", "hang") or int(at.split(":")[0]) != self._steps:
+            return
+        if kind == "die":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if kind == "raise":
+            raise RuntimeError(f"injected fault in step {self._steps}")
+        time.sleep(3600)
 
     def _certain_miss(self, update: Update) -> bool:
         rid, sampled, full, _ = update
@@ -430,19 +460,29 @@ class DraftWorker:
             return True
         return beats_plain(plan, batch, self._plain_s())
 
-    def _idle_limit(self, batch: int) -> int | None:
+    def _idle_limit(self, batch: int) -> IdleAdvice | None:
         """If speculation's expected rate (core/theory.py with the fitted a_p, the hit
         rate, the measured costs; the best K up to the cap) does not beat plain decoding
         at this batch size, the largest batch size at which it would: this step sends
         nothing, and the proposer leaves the draft idle (and lends its cores) while the
-        batch is larger. None: speculate as the plan says."""
+        batch is larger. None: speculate as the plan says.
+
+        Plain decoding on the lent cores is only known where it ran, so the first time a
+        batch size is found worth speculating on, the draft idles there for a few rounds
+        anyway (a probe) and the next call decides with that measurement."""
         ctl = self.cfg.controller
         if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
                 or not self.target_cost.known or not batch):
             return None
         plain = self._plain_s() or self.target_cost.predict
         limit = batch_limit(self._expected_rate, plain, max_batch=batch)
-        return limit if limit < batch else None
+        if limit < batch:
+            return IdleAdvice(limit, probe=False)
+        if self.lent_cost is not None and batch not in self.lent_widths | self._probed:
+            self._probed.add(batch)
+            self.stats.lent_probes += 1
+            return IdleAdvice(batch - 1, probe=True)
+        return None
 
     def _expected_rate(self, batch: int) -> float:
         """Tokens per second speculation is expected to give at this batch size."""
@@ -743,8 +783,9 @@ class DraftWorker:
 OBJECT_STORE_BYTES = 512 * 2**20
 
 
-def make_ray_worker(config: dict, target_vocab_size: int):
-    """Start the draft worker as a Ray actor (own process; own cores or own GPU)."""
+def make_ray_worker(config: dict, target_vocab_size: int, incarnation: int = 0):
+    """Start the draft worker as a Ray actor (own process; own cores or own GPU).
+    incarnation: 0 for the first worker, n for the n-th restart after a failure."""
     import ray
 
     cores = config.get("draft_cpu_cores") if config.get("draft_device", "cpu") == "cpu" else None
@@ -770,14 +811,22 @@ def make_ray_worker(config: dict, target_vocab_size: int):
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
                      configure_logging=False, ignore_reinit_error=True,
                      object_store_memory=OBJECT_STORE_BYTES)
+        except Exception as err:
+            text = (str(err).strip().splitlines() or [""])[0][:300]
+            raise RuntimeError(
+                f"Saguaro: Ray could not start for the draft worker ({type(err).__name__}: "
+                f"{text}). The draft runs on this machine: unset RAY_ADDRESS (now "
+                f"{os.environ.get('RAY_ADDRESS', 'unset')!r}) or point it at a running "
+                "cluster, and check that /tmp has space for Ray's session files") from None
         finally:
             os.sched_setaffinity(0, here)
             swap_environ(saved)
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
     if cores:  # OpenMP's threads on the draft's cores, not the target's inherited OMP_PLACES
         env.update(omp_env(cores))
-    if os.environ.get(FAULT_ENV):
-        env[FAULT_ENV] = os.environ[FAULT_ENV]
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault:  # set either way: Ray's workers may inherit it from the raylet's start
+        env[FAULT_ENV] = fault if incarnation == 0 or fault.endswith(":always") else ""
     # Two threads: step() must be able to cut a pre-speculation short (see step()).
     actor_cls = ray.remote(num_cpus=0, max_concurrency=2)(DraftWorker)
     return actor_cls.options(runtime_env={"env_vars": env}).remote(config, target_vocab_size)

@@ -11,6 +11,9 @@ target's cores and then the draft's, and a team the size of the target's
 (patches.patch_omp_binding), so growing the team with torch's set_num_threads (vLLM's CPU
 worker stubs the torch.set_num_threads wrapper) puts the new threads on the draft's cores.
 The threads stay when the team shrinks (OpenMP parks them) and come back on the next loan.
+vLLM's oneDNN matmuls keep the team size they were created with, so while lent the
+target's linear layers take their input with a row stride of their own
+(patches.patch_lent_gemms, `lent_input`): primitives made for the lent team.
 """
 from __future__ import annotations
 
@@ -18,7 +21,18 @@ import os
 
 import torch
 
+# Extra row stride (elements) of a linear layer's input while the cores are lent: 16 floats
+# keep rows 64-byte aligned, and no vLLM caller passes that stride, so the lent team's
+# oneDNN primitives get keys of their own (patches.patch_lent_gemms).
+LENT_ROW_PAD = 16
 
+
+def lent_input(x: torch.Tensor) -> torch.Tensor:
+    """The same values as the 2-D `x`, in rows LENT_ROW_PAD elements longer than x's."""
+    rows, cols = x.shape
+    padded = torch.empty((rows, cols + LENT_ROW_PAD), dtype=x.dtype, device=x.device)
+    padded[:, :cols].copy_(x)
+    return padded[:, :cols]
 
 
 def lending_binding(draft_cores: list[int]) -> bool:

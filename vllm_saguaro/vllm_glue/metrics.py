@@ -45,6 +45,11 @@ def _counters() -> dict:
             "plain": c("plain_rounds", "Rounds in which no sequence sent draft tokens"),
             "idle": c("idle_rounds", "Plain rounds in which the draft was not called at all "
                       "(speculation cannot pay at that batch size)"),
+            "failures": c("draft_failures", "Draft worker failures (its process died, it "
+                          "raised, or it did not answer in time); speculation is off until "
+                          "a new worker is up"),
+            "restarts": c("draft_restarts", "New draft workers up after a failure"),
+            "down": c("draft_down_rounds", "Plain rounds while no draft worker was up"),
         }
     return _COUNTERS
 
@@ -74,6 +79,10 @@ class SaguaroMetrics:
     sent: list[int] = field(default_factory=list)
     plain_rounds: int = 0
     idle_rounds: int = 0
+    # The draft worker's failures (vllm_glue/supervisor.py), restarts, rounds without it
+    draft_failures: int = 0
+    draft_restarts: int = 0
+    down_rounds: int = 0
     _last_done: float | None = None
     _last_log: float = field(default_factory=time.monotonic)
 
@@ -124,6 +133,22 @@ class SaguaroMetrics:
         self._count_lengths([0] * seqs)
         self._maybe_log()
 
+    def record_down_round(self, seqs: int) -> None:
+        """A plain round because no draft worker was up (it failed, a new one starts)."""
+        self.down_rounds += 1
+        _counters()["down"].inc()
+        self._count_lengths([0] * seqs)
+        self._maybe_log()
+
+    def record_draft_event(self, event: str) -> None:
+        """'failure' or 'restart' of the draft worker (vllm_glue/supervisor.py)."""
+        if event == "failure":
+            self.draft_failures += 1
+            _counters()["failures"].inc()
+        elif event == "restart":
+            self.draft_restarts += 1
+            _counters()["restarts"].inc()
+
     def _count_lengths(self, lengths) -> None:
         if not lengths:
             return
@@ -147,17 +172,20 @@ class SaguaroMetrics:
         if not total:
             return "no rounds yet"
         shares = "/".join(f"{100 * n / total:.0f}" for n in self.sent)
-        rounds = self.rounds + self.idle_rounds
+        rounds = self.rounds + self.idle_rounds + self.down_rounds
         return (f"lengths sent 0..{len(self.sent) - 1}: {shares}%, plain-decoding rounds "
                 f"{100 * self.plain_rounds / max(rounds, 1):.0f}% (draft idle in "
                 f"{100 * self.idle_rounds / max(rounds, 1):.0f}%)")
 
     def summary(self) -> str:
+        failures = (f", draft worker failures {self.draft_failures} (restarts "
+                    f"{self.draft_restarts}, {self.down_rounds} rounds without it)"
+                    if self.draft_failures else "")
         return (f"cache hit rate {self.hit_rate:.3f} ({self.hits}/{self.lookups}), "
                 f"fallback drafts {self.fallbacks}, rounds {self.rounds}, "
                 f"target waited {self.wait_prespec_s + self.wait_step_s:.2f}s "
                 f"(pre-speculation {self.wait_prespec_s:.2f}s, lookup/fallback {self.wait_step_s:.2f}s), "
-                f"{self.lengths_summary()}")
+                f"{self.lengths_summary()}{failures}")
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")} | {

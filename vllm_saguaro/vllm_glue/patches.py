@@ -21,15 +21,25 @@ def _once(name: str) -> bool:
     return True
 
 
-def to_vllm_speculative_config(value: Any, additional_config: dict | None) -> tuple[dict, dict]:
+def to_vllm_speculative_config(value: Any, additional_config: dict | None,
+                               target: str | None = None) -> tuple[dict, dict]:
     """Saguaro config (path or dict) -> what vLLM's SpeculativeConfig accepts + plugin settings.
 
     SpeculativeConfig forbids unknown methods and keys, so the plugin rides on the
     ``custom_class`` method and carries its own settings in ``additional_config``.
+    Everything that can be checked before an engine process starts is checked here, in
+    the user's process (the draft's checkpoint against the `target`, its device).
     """
-    from vllm_saguaro.config import load_config
+    from vllm_saguaro.config import SaguaroConfigError, load_config
+    from vllm_saguaro.draft.model import check_draft_checkpoint
 
-    cfg = place_draft(load_config(value))
+    cfg = load_config(value)
+    try:
+        check_draft_checkpoint(cfg.draft_model, target)
+        check_draft_device_exists(cfg.draft_device)
+    except ValueError as err:
+        raise SaguaroConfigError(str(err)) from None
+    cfg = place_draft(cfg)
     extra = dict(additional_config or {})
     extra["saguaro"] = cfg.to_json_dict()
     spec = {"method": "custom_class", "model": PROPOSER_PATH,
@@ -38,6 +48,19 @@ def to_vllm_speculative_config(value: Any, additional_config: dict | None) -> tu
         spec["num_speculative_tokens_per_batch_size"] = [
             list(r) for r in cfg.num_speculative_tokens_per_batch_size]
     return spec, extra
+
+
+def check_draft_device_exists(device: str) -> None:
+    """A draft_device 'cuda:N' must be a GPU this process sees."""
+    if not device.startswith("cuda:"):
+        return
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if int(device[5:]) >= count:
+        seen = f"GPUs 0-{count - 1}" if count else "no CUDA GPU (CPU build, or CUDA_VISIBLE_DEVICES)"
+        raise ValueError(f"draft_device {device}: this process sees {seen}; give a GPU "
+                         "index it has, or draft_device: cpu")
 
 
 def place_draft(cfg):
@@ -80,7 +103,7 @@ def patch_engine_args() -> None:
         spec = self.speculative_config
         if spec is not None and is_saguaro_spec(spec):
             self.speculative_config, self.additional_config = to_vllm_speculative_config(
-                spec, self.additional_config)
+                spec, self.additional_config, self.model)
         elif looks_like_config_path(spec):
             from vllm_saguaro.config import read_config_file
 
@@ -352,6 +375,39 @@ def patch_omp_binding() -> None:
 
     manager.__init__ = __init__
     manager.configure_omp_envs = configure_omp_envs
+
+
+def patch_lent_gemms(model, lending) -> int:
+    """Why: while the draft lends its cores, the target's matmuls must use them too.
+
+    vLLM's CPU linear layers (layers/utils.py dispatch_cpu_unquantized_gemm) run oneDNN
+    matmuls from a process-wide cache of primitives keyed by the weight's shape and then by
+    the input's rows and row stride (csrc/cpu/dnnl_helper.cpp), and a oneDNN primitive
+    keeps the thread count it was created with. The target's were created with its own
+    team, so after lending.py grew the team its GEMMs, most of a decode step, still ran on
+    one core (measured: a 16 x 576 x 1536 matmul 479 us on a team grown to 2, 273 us with
+    a primitive made for the 2). While lent, each linear layer's input goes in with a row
+    stride of its own (lending.lent_input: a copy, the same values), so its primitives are
+    created, once per width, for the lent team; the target's own keys stay one-thread.
+    Wraps every module's ``cpu_linear`` (set when the weights were processed); returns
+    how many. Eager only in effect: a compiled graph traced the layers unlent.
+    """
+    from vllm_saguaro.vllm_glue.lending import lent_input
+
+    def wrap(inner):
+        def cpu_linear(x, weight, bias):
+            if lending.lent and x.dim() == 2:
+                x = lent_input(x)
+            return inner(x, weight, bias)
+        return cpu_linear
+
+    wrapped = 0
+    for module in model.modules():
+        inner = module.__dict__.get("cpu_linear")
+        if callable(inner):
+            module.cpu_linear = wrap(inner)
+            wrapped += 1
+    return wrapped
 
 
 def kv_size_leaving_the_draft(size: int, saguaro: dict | None, explicit: bool) -> int:

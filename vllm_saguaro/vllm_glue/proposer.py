@@ -23,7 +23,9 @@ from vllm_saguaro.core.outcome import is_consistent
 from vllm_saguaro.core.placement import process_threads
 from vllm_saguaro.core.sampling import SamplingSpec, unpack_counts
 from vllm_saguaro.draft.model import check_draft_vocabulary
+from vllm_saguaro.core.supervision import RestartPolicy
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
+from vllm_saguaro.vllm_glue.supervisor import DraftSupervisor, DraftUnavailable
 
 logger = logging.getLogger("vllm_saguaro")
 
@@ -41,6 +43,9 @@ _cores_before_binding: set[int] | None = None
 # While idle, ask the draft again after this long (its acceptance, the target's costs may
 # have moved), or as soon as the batch shrinks to where speculation could pay.
 IDLE_RECHECK_S = 30.0
+# A probe of plain decoding on the lent cores (the draft worker's IdleAdvice): this many
+# idle rounds, enough clean steps for the controller's measurement of them.
+PROBE_ROUNDS = 8
 
 
 def process_cores() -> set[int]:
@@ -93,7 +98,7 @@ class SaguaroProposer:
         self.target_device = getattr(vllm_config.device_config, "device", "cpu")
         # vLLM's single-process executor: the target runs in the user's own process
         self.in_process = vllm_config.parallel_config.distributed_executor_backend == "uni"
-        self.actor = None
+        self.supervisor: DraftSupervisor | None = None  # the draft worker, kept alive
         self.pending = None          # ObjectRef of the last pre-speculation
         self.head_ids = None         # the draft head's vocabulary ids (q's columns)
         self.mirror: dict[str, _Mirror] = {}
@@ -104,6 +109,7 @@ class SaguaroProposer:
         self._prev_ids: set[str] = set()  # the batch's requests at the last call
         self.idle_above: int | None = None  # the draft idles while the batch is larger
         self._idle_since = 0.0
+        self._probe_rounds: int | None = None  # idle rounds left in a probe (None: no probe)
         self._finished_while_idle: set[str] = set()
         self.lending = None  # CoreLending: the draft's cores for the target while it idles
 
@@ -129,18 +135,33 @@ class SaguaroProposer:
 
                 if lending_binding(cfg.draft_cpu_cores):
                     self.lending = CoreLending(cfg.draft_cpu_cores)
+                    if target_model is not None:
+                        from vllm_saguaro.vllm_glue.patches import patch_lent_gemms
+
+                        patch_lent_gemms(target_model, self.lending)
             if self.lending is None:  # the draft's controller must not count on it
                 cfg.controller = cfg.controller.model_copy(update={"lend_cores": False})
         else:
             check_draft_gpu(cfg, self.target_device)
-        self.actor = make_ray_worker(cfg.to_json_dict(), self.vocab_size)
-        ray.get(self.actor.ping.remote())  # surface load errors (bad checkpoint, vocab) now
+        sup = cfg.supervision
+        policy = RestartPolicy(floor_s=sup.timeout_s, factor=sup.timeout_factor,
+                               base_s=sup.restart_s, max_s=sup.restart_max_s)
+        worker_config = cfg.to_json_dict()
+        self.supervisor = DraftSupervisor(
+            lambda incarnation: make_ray_worker(worker_config, self.vocab_size, incarnation),
+            policy, on_event=self.metrics.record_draft_event)
+        self.supervisor.start()  # surface load errors (bad checkpoint, vocab) now
         head = ray.get(self.actor.head_ids.remote())  # where q's columns go in the vocabulary
         self.head_ids = None if head is None else torch.tensor(head, dtype=torch.long)
-        weakref.finalize(self, _kill, self.actor)
+        weakref.finalize(self, self.supervisor.shutdown)
         logger.info("Saguaro draft worker ready (%s, cores %s, K=%d, fan-out %s, async=%s)",
                     cfg.draft_device, cfg.draft_cpu_cores, cfg.num_speculative_tokens,
                     cfg.fanout.policy, cfg.async_)
+
+    @property
+    def actor(self):
+        """The draft worker's Ray actor now (None while it is down)."""
+        return self.supervisor.actor if self.supervisor is not None else None
 
     def propose(self, *args, **kwargs):
         raise RuntimeError("vllm-saguaro's runner patch is not active: was the plugin loaded?")
@@ -160,7 +181,7 @@ class SaguaroProposer:
         """
         import ray
 
-        if self.actor is None:
+        if self.supervisor is None:
             self.load_model()
         start = time.perf_counter()
         # the target's last step, for the controller's cost model: a decode step only (a
@@ -173,7 +194,7 @@ class SaguaroProposer:
             self.target_steps = (self.target_steps + [(self._width, start - self._last_done, lent)])[-8:]
         decoding = sum(1 for s in sampled_token_ids if s)
         self._width = None
-        if self._idle(decoding, finished):
+        if self._idle(len(req_ids), decoding, finished):
             self._width = decoding if decoding == len(req_ids) else None
             self.metrics.record_idle_round(decoding)
             self._last_done = time.perf_counter()
@@ -181,6 +202,13 @@ class SaguaroProposer:
             return [[] for _ in req_ids], None
         finished = finished | self._finished_while_idle
         self._finished_while_idle = set()
+        if not self.supervisor.available():  # failed; a new worker may be starting
+            return self._plain_round(len(req_ids), decoding)
+        if self.supervisor.resync:  # a new worker knows no sequence: all re-prefill
+            self.supervisor.resync = False
+            self.mirror.clear()
+            self.pending = None
+            finished = set()
         for rid in finished:
             self.mirror.pop(rid, None)
         updates, rows = [], []
@@ -196,22 +224,29 @@ class SaguaroProposer:
                 updates.append((rid, None, token_ids_cpu[row, :n].tolist(), tuple(spec)))
             rows.append((row, rid, n))
         drafts: list[list[int]] = [[] for _ in req_ids]
-        if self.pending is not None:  # the last pre-speculation: surface its failure, if any
-            done, _ = ray.wait([self.pending], timeout=0)
-            if done:
-                ray.get(done[0])
-                self.pending = None
         t0 = time.perf_counter()
-        results, waited, computed, limit = ray.get(self.actor.step.remote(
-            updates, sorted(finished), self.target_steps, k_cap)) \
-            if (updates or finished) else ([], 0.0, 0.0, None)
+        try:
+            if self.pending is not None:  # the last pre-speculation: surface its failure
+                done, _ = ray.wait([self.pending], timeout=0)
+                if done:
+                    self.pending = None
+                    self.supervisor.get(done[0], "pre-speculation")
+            prefill = sum(len(u[2]) for u in updates if u[2] is not None)
+            results, waited, computed, limit = self.supervisor.get(self.actor.step.remote(
+                updates, sorted(finished), self.target_steps, k_cap), "step", prefill) \
+                if (updates or finished) else ([], 0.0, 0.0, None)
+        except DraftUnavailable:  # this round decodes plainly; nothing unverified is kept
+            self.mirror.clear()
+            self.pending = None
+            return self._plain_round(len(req_ids), decoding)
         self.target_steps = []
         t1 = time.perf_counter()
         for (row, rid, n), (tokens, _, _) in zip(rows, results):
             drafts[row] = tokens
             self.mirror[rid] = _Mirror(n, tokens)
         if limit is not None:
-            self.idle_above, self._idle_since = limit, time.monotonic()
+            self.idle_above, self._idle_since = limit.limit, time.monotonic()
+            self._probe_rounds = PROBE_ROUNDS if limit.probe else None
             if self.lending is not None:
                 self.lending.lend()
         elif self.cfg.async_ and rows:
@@ -232,17 +267,33 @@ class SaguaroProposer:
         self.metrics.round_done(self._last_done)
         return drafts, probs
 
-    def _idle(self, decoding: int, finished: set[str]) -> bool:
+    def _plain_round(self, rows: int, decoding: int) -> tuple[list[list[int]], None]:
+        """A round without the draft worker (it failed): every row sends nothing."""
+        self.target_steps = []
+        self.metrics.record_down_round(decoding)
+        self._last_done = time.perf_counter()
+        self.metrics.round_done(self._last_done)
+        return [[] for _ in range(rows)], None
+
+    def _idle(self, batch: int, decoding: int, finished: set[str]) -> bool:
         """Stay away from the draft while the controller said speculation cannot pay at a
-        batch this large; wake when the batch shrinks to where it could, or to recheck."""
+        batch this large; wake when the batch shrinks to where it could, or to recheck.
+        The batch counts the requests still prefilling: while a batch is arriving (its
+        requests join a few at a time) the draft stays idle and the cores stay lent."""
         if self.idle_above is None:
             return False
         if not decoding:  # only prefills in this step (a batch arriving): nothing to decide
             self._finished_while_idle |= finished
             return True
-        if decoding > self.idle_above and time.monotonic() - self._idle_since < IDLE_RECHECK_S:
+        if self._probe_rounds is not None:  # measuring the lent cores: a few rounds only
+            self._probe_rounds -= 1
+            recheck = self._probe_rounds < 0
+        else:
+            recheck = time.monotonic() - self._idle_since >= IDLE_RECHECK_S
+        if batch > self.idle_above and not recheck:
             self._finished_while_idle |= finished
             return True
+        self._probe_rounds = None
         self.idle_above = None  # the draft resynchronises every sequence (mirror mismatch)
         if self.lending is not None:
             self.lending.give_back()  # before the draft runs again on its cores
@@ -262,33 +313,27 @@ class SaguaroProposer:
         return probs
 
     def draft_stats(self) -> dict:
-        """The draft worker's own counters (pre-speculation time, branches, ...)."""
-        import ray
-
-        return ray.get(self.actor.get_stats.remote())
+        """The draft worker's own counters (pre-speculation time, branches, ...); those of
+        the worker now up ({} while none is)."""
+        return self._ask("get_stats")
 
     def draft_threads(self) -> dict:
         """The draft worker's process id and its threads (affinity, CPU time)."""
-        import ray
+        return self._ask("threads")
 
-        return ray.get(self.actor.threads.remote())
+    def _ask(self, method: str) -> dict:
+        if self.supervisor is None or not self.supervisor.up:
+            return {}
+        try:
+            return self.supervisor.get(getattr(self.actor, method).remote(), method)
+        except DraftUnavailable:
+            return {}
 
     def shutdown(self) -> None:
         if self.lending is not None:
             self.lending.give_back()
-        if self.actor is not None:
-            _kill(self.actor)
-            self.actor = None
-
-
-def _kill(actor) -> None:
-    try:
-        import ray
-
-        if ray.is_initialized():  # after ray.shutdown, ray.kill would start a new cluster
-            ray.kill(actor)
-    except Exception:  # interpreter shutdown: Ray may already be gone
-        pass
+        if self.supervisor is not None:
+            self.supervisor.shutdown()
 
 
 def worker_report(proposer: SaguaroProposer | None, runner=None) -> dict:
