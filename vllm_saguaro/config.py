@@ -199,34 +199,32 @@ def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid Saguaro speculative config ({source}):"]
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "<root>"
+        model, field = _field_at(e["loc"])
         if e["type"] == "extra_forbidden":
-            model = {"fanout": FanoutConfig, "controller": ControllerConfig,
-                     "supervision": SupervisionConfig}.get(
-                e["loc"][0] if len(e["loc"]) > 1 else "", SaguaroConfig)
             known = ", ".join(sorted(f.alias or n for n, f in model.model_fields.items()))
             msg = f"unknown key; known keys: {known}"
         else:
             msg = e["msg"]
-            about = _description(e["loc"])
-            if about:
-                msg += f" (the field: {about})"
+            if field is not None and field.description:
+                msg += f" (the field: {field.description})"
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
 
 
-def _description(loc: tuple) -> str | None:
-    """The description of the field at `loc` (a path through the nested models)."""
+def _field_at(loc: tuple):
+    """The model an error's `loc` points into and the field there (None for a key the
+    model does not have): the path goes through the nested models (fanout, ...)."""
     model: type[BaseModel] = SaguaroConfig
-    for part in loc:
+    for i, part in enumerate(loc):
         fields = {f.alias or n: f for n, f in model.model_fields.items()}
         field = fields.get(part) if isinstance(part, str) else None
         if field is None:
-            return None
-        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
-            model = field.annotation
-            continue
-        return field.description
-    return None
+            return model, None
+        nested = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
+        if not nested or i == len(loc) - 1:
+            return model, field
+        model = field.annotation
+    return model, None
 
 
 def looks_like_config_path(value: Any) -> bool:

@@ -19,6 +19,12 @@ from dataclasses import dataclass, field
 PREFILL_S_PER_TOKEN = 0.005
 
 
+def describe(error: BaseException) -> str:
+    """One line for a log or an error: the error's type and its message's first line."""
+    text = str(error).strip().splitlines()
+    return type(error).__name__ + (f": {text[0][:200]}" if text else "")
+
+
 def reply_deadline(recent_replies_s, floor_s: float, factor: float,
                    prefill_tokens: int = 0) -> float:
     """How long to wait for one reply before the draft counts as hung: `factor` times the

@@ -127,10 +127,8 @@ def check_draft_checkpoint(path: str | Path, target: str | Path | None = None) -
                              f"file ({err}); copy or save the checkpoint again") from None
     if target is not None and Path(target).is_dir():
         size = _target_vocab_size(Path(target))
-        if size is not None and size != spec.vocab_size:
-            raise ValueError(
-                f"draft_model {path} has a vocabulary of {spec.vocab_size} tokens but the "
-                f"target {target} has {size}: SSD needs a draft with the target's tokenizer")
+        if size is not None:
+            check_draft_vocabulary(path, size)
         mine, theirs = _tokenizer_vocab(path), _tokenizer_vocab(Path(target))
         if mine is not None and theirs is not None and mine != theirs:
             raise ValueError(

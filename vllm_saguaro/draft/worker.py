@@ -31,6 +31,7 @@ from vllm_saguaro.core.sampling import (SamplingSpec, draft_distribution,
                                         quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
                                          select_outcomes)
+from vllm_saguaro.core.supervision import describe
 from vllm_saguaro.core.theory import sd_rate, ssd_rate
 from vllm_saguaro.draft.fork import fanout_roots, outcome_estimates
 from vllm_saguaro.draft.kv import PagedKVCache
@@ -812,10 +813,9 @@ def make_ray_worker(config: dict, target_vocab_size: int, incarnation: int = 0):
                      configure_logging=False, ignore_reinit_error=True,
                      object_store_memory=OBJECT_STORE_BYTES)
         except Exception as err:
-            text = (str(err).strip().splitlines() or [""])[0][:300]
             raise RuntimeError(
-                f"Saguaro: Ray could not start for the draft worker ({type(err).__name__}: "
-                f"{text}). The draft runs on this machine: unset RAY_ADDRESS (now "
+                f"Saguaro: Ray could not start for the draft worker ({describe(err)}). "
+                f"The draft runs on this machine: unset RAY_ADDRESS (now "
                 f"{os.environ.get('RAY_ADDRESS', 'unset')!r}) or point it at a running "
                 "cluster, and check that /tmp has space for Ray's session files") from None
         finally:

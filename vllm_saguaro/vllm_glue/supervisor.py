@@ -14,19 +14,13 @@ import logging
 import time
 from typing import Callable
 
-from vllm_saguaro.core.supervision import RestartPolicy
+from vllm_saguaro.core.supervision import RestartPolicy, describe
 
 logger = logging.getLogger("vllm_saguaro")
 
 
 class DraftUnavailable(RuntimeError):
     """The draft worker cannot answer now: decode this round without it."""
-
-
-def describe(error: BaseException) -> str:
-    """One line for the log: the error's type and the first line of its message."""
-    text = str(error).strip().splitlines()
-    return type(error).__name__ + (f": {text[0][:200]}" if text else "")
 
 
 class DraftSupervisor:
