@@ -162,7 +162,15 @@ def test_preemption_resyncs_and_stays_identical(tiny_target, spec_base):
     llm = make_llm(tiny_target, spec_base, **small)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     stats = drafter_of(llm).draft_stats()
+    # the batch's finished ids reach the draft with the next request: then only it is held
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2))
+    held = drafter_of(llm).draft_stats()
     release(llm)
     assert preempted > 0, "the test setup did not cause preemption"
     assert got == plain
     assert stats["syncs"] > len(prompts), "preempted requests were not resynchronised"
+    # the draft's own KV stays bounded: freed for preempted and finished requests, and its
+    # pool no larger than twice what the whole batch needs at its longest (it doubles)
+    need = len(prompts) * -(-(60 + 60) // 16)
+    assert stats["kv_blocks"] <= 2 * need, stats["kv_blocks"]
+    assert held["live_seqs"] <= 1 and held["kv_blocks_used"] <= 1, held

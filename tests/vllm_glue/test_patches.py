@@ -283,3 +283,99 @@ def test_kv_reserve_and_forward_timer_are_installed():
     from vllm.v1.worker.cpu_worker import CPUWorker
 
     assert "patch_cpu_kv_reserve" in CPUWorker.determine_available_memory.__qualname__
+
+
+def _batch_metadata(params, vocab):
+    """A SamplingMetadata for one request per params, with vLLM's own builtin logits
+    processors fed the batch as the input batch feeds them."""
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams  # noqa: F401
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.logits_processor.builtin import (LogitBiasLogitsProcessor,
+                                                         MinPLogitsProcessor)
+    from vllm.v1.sample.logits_processor.interface import BatchUpdate
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    cfg = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8))
+    procs = [MinPLogitsProcessor(cfg, torch.device("cpu"), False),
+             LogitBiasLogitsProcessor(cfg, torch.device("cpu"), False)]
+    update = BatchUpdate(batch_size=len(params), removed=[], moved=[],
+                         added=[(i, p, [1, 2], []) for i, p in enumerate(params)])
+    for proc in procs:
+        proc.update_state(update)
+    temps = torch.tensor([p.temperature for p in params])
+    return SamplingMetadata(
+        temperature=temps, all_greedy=bool((temps == 0).all()), all_random=bool((temps > 0).all()),
+        top_p=torch.tensor([p.top_p for p in params]), top_k=torch.tensor([p.top_k or vocab for p in params]),
+        generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(len(params)), presence_penalties=torch.zeros(len(params)),
+        repetition_penalties=torch.ones(len(params)), output_token_ids=[[] for _ in params],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors(procs),
+        spec_token_ids=[[] for _ in params])
+
+
+def _sampler_distribution(logits, md):
+    """What plain decoding's Sampler samples from, row by row (its steps, in its order)."""
+    from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+    from vllm.v1.sample.sampler import Sampler
+
+    s = Sampler()
+    x = s.apply_logits_processors(logits.clone(), md, predict_bonus_token=False)
+    x = s.apply_temperature(x, md.temperature, md.all_random)
+    for proc in md.logitsprocs.argmax_invariant:
+        x = proc.apply(x)
+    return apply_top_k_top_p(x, md.top_k, md.top_p)
+
+
+def test_verifier_target_p_is_the_samplers_with_logit_bias_and_min_p():
+    """Per draft token, the rejection sampler's processed target logits must be the ones
+    plain decoding samples from, for logit_bias and min_p (vLLM 0.32's skip both), with
+    requests of 2, 0 and 3 draft tokens and greedy next to sampled rows."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.sample import rejection_sampler as rs
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    patches.apply_all()
+    vocab = 40
+    params = [SamplingParams(temperature=0.8, min_p=0.2, logit_bias={3: 5.0, 7: -100.0}, top_p=0.9),
+              SamplingParams(temperature=1.0, logit_bias={1: 2.0}),
+              SamplingParams(temperature=0.0, logit_bias={5: 30.0}),
+              SamplingParams(temperature=1.3, min_p=0.05, top_k=10)]
+    counts = [2, 0, 3, 2]
+    md = _batch_metadata(params, vocab)
+    torch.manual_seed(0)
+    target = torch.randn(sum(counts), vocab) * 3
+    spec = SpecDecodeMetadata.make_dummy([[0] * n for n in counts], device=torch.device("cpu"))
+    sampler = rs.RejectionSampler(Sampler())
+    got = sampler.apply_logits_processors(target.clone(), md, spec)
+    got = rs.apply_sampling_constraints(got, spec.cu_num_draft_tokens, md)
+    row = 0
+    for r, n in enumerate(counts):
+        for _ in range(n):
+            batch = torch.randn(len(params), vocab)
+            batch[r] = target[row]
+            want = _sampler_distribution(batch, md)[r]
+            if params[r].temperature == 0:  # greedy: the verifier takes the argmax
+                assert got[row].argmax() == want.argmax() == 5
+            else:
+                assert torch.equal(torch.isinf(got[row]), torch.isinf(want)), (r, row)
+                torch.testing.assert_close(got[row].softmax(-1), want.softmax(-1))
+            row += 1
+    assert torch.isinf(got[:2, 7]).all()  # the -100 bias, then min_p, cut token 7
+
+
+def test_logit_bias_and_min_p_allowed_only_with_saguaro():
+    from types import SimpleNamespace
+
+    from vllm.sampling_params import SamplingParams
+
+    patches.apply_all()
+    ours = SimpleNamespace(method="custom_class", model=patches.PROPOSER_PATH)
+    other = SimpleNamespace(method="draft_model", model="x")
+    for p in (SamplingParams(min_p=0.1, temperature=1.0), SamplingParams(logit_bias={1: 1.0})):
+        p._validate_spec_decode(ours)
+        p._validate_spec_decode(None)
+        with pytest.raises(Exception, match="not yet supported"):
+            p._validate_spec_decode(other)

@@ -16,7 +16,7 @@ def idle_proposer(limit):
     p.supervisor, p.pending, p.mirror = _NoActor(), None, {}
     p.metrics = SaguaroMetrics(0.0)
     p.target_steps, p._width, p._last_done, p._prev_ids = [], None, None, set()
-    p.idle_above, p._idle_since, p._finished_while_idle = limit, time.monotonic(), set()
+    p.idle_above, p._idle_since, p._gone = limit, time.monotonic(), set()
     p._probe_rounds = None
     p.lending = None
     return p
@@ -28,10 +28,45 @@ def test_idle_rounds_skip_the_draft_and_keep_the_finished():
     drafts, probs = p.propose_round(["a", "b", "c", "d"], [4, 4, 4, 4], None, sampled,
                                     {"x"}, None)
     assert drafts == [[], [], [], []] and probs is None
-    assert p._finished_while_idle == {"x"}
+    assert p._gone == {"x"}
     assert p.metrics.idle_rounds == 1 and p.metrics.plain_rounds == 1
     assert p.metrics.sent[0] == 4
     assert p._width == 4  # the plain step's width: the controller's cost model gets it next
+
+
+class _Supervisor:
+    """Up, with a worker whose release() answers what it still holds."""
+
+    up = True
+
+    def __init__(self):
+        self.released = []
+        outer = self
+
+        class Actor:
+            class release:
+                @staticmethod
+                def remote(ids):
+                    outer.released.append(ids)
+                    return {"live_seqs": 0, "kv_blocks_used": 0, "kv_blocks": 64}
+        self.actor = Actor()
+
+    def get(self, ref, what, prefill_tokens=0):
+        return ref
+
+
+def test_gone_requests_are_kept_until_sent_and_released_when_the_batch_empties():
+    """Finished / preempted ids noted on steps that call no drafter are not lost: the
+    next round sends them, or release() frees them when the batch has emptied."""
+    p = idle_proposer(2)
+    p.supervisor = _Supervisor()
+    p.mirror = {"a": object(), "b": object()}
+    p.note_gone({"a"})
+    p.note_gone({"b"})
+    held = p.release()
+    assert p.supervisor.released == [["a", "b"]] and p.mirror == {} and p._gone == set()
+    assert held["live_seqs"] == 0 and p.metrics.draft_held["kv_blocks_used"] == 0
+    assert p.release() == {} and len(p.supervisor.released) == 1  # nothing new: no call
 
 
 def test_idle_ends_when_the_batch_shrinks_or_after_a_while(monkeypatch):

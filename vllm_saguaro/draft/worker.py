@@ -210,7 +210,15 @@ class DraftWorker:
         return os.getpid()
 
     def get_stats(self) -> dict:
-        return self.stats.as_dict()
+        """The cumulative counters, and what the worker holds now (held())."""
+        return {**self.stats.as_dict(), **self.held()}
+
+    def held(self) -> dict:
+        """The sequences the worker keeps state for and its KV pool's blocks in use and
+        in all (the pool grows, never shrinks): after aborts and preemptions both must
+        come back down."""
+        return dict(live_seqs=len(self.seqs), kv_blocks_used=self.kv.num_blocks - len(self.kv.free_blocks),
+                    kv_blocks=self.kv.num_blocks)
 
     def threads(self) -> dict:
         """This process and its threads (affinity, CPU time): where the draft really runs."""
@@ -529,6 +537,16 @@ class DraftWorker:
     def drop(self, rid: str) -> None:
         self.seqs.pop(rid, None)
         self.kv.free(rid)
+
+    def release(self, finished: list[str]) -> dict:
+        """Forget finished (or preempted) requests now: the batch has emptied, so the
+        pre-speculation in flight (for those requests) is cut short first. Returns what
+        the worker still holds (get_stats' live fields)."""
+        self._abort.set()
+        with self._lock:
+            for rid in finished:
+                self.drop(rid)
+        return self.held()
 
     # ----------------------------------------------------------------- passes
     def _sync(self, rid: str, tokens: list[int], sampling: SamplingSpec) -> None:

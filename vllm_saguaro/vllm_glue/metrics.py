@@ -28,10 +28,13 @@ def _counters() -> dict:
             if counter not in REGISTRY._collector_to_names:
                 REGISTRY.register(counter)
     else:
-        from prometheus_client import Counter
+        from prometheus_client import Counter, Gauge
 
         def c(name: str, doc: str, labels=()) -> Counter:
             return Counter(f"vllm:saguaro_{name}", doc, list(labels))
+
+        def g(name: str, doc: str) -> Gauge:  # the engine process's last value
+            return Gauge(f"vllm:saguaro_{name}", doc, multiprocess_mode="mostrecent")
 
         _COUNTERS = {
             "rounds": c("rounds", "Verification rounds with SSD drafting"),
@@ -50,6 +53,10 @@ def _counters() -> dict:
                           "a new worker is up"),
             "restarts": c("draft_restarts", "New draft workers up after a failure"),
             "down": c("draft_down_rounds", "Plain rounds while no draft worker was up"),
+            "held_seqs": g("draft_sequences", "Sequences the draft worker holds state for, "
+                           "as of the last time the batch emptied (0 unless requests leak)"),
+            "held_blocks": g("draft_kv_blocks_used", "The draft worker's KV blocks in use, "
+                             "as of the last time the batch emptied"),
         }
     return _COUNTERS
 
@@ -83,6 +90,7 @@ class SaguaroMetrics:
     draft_failures: int = 0
     draft_restarts: int = 0
     down_rounds: int = 0
+    draft_held: dict = field(default_factory=dict)  # DraftWorker.held() when the batch emptied
     _last_done: float | None = None
     _last_log: float = field(default_factory=time.monotonic)
 
@@ -148,6 +156,12 @@ class SaguaroMetrics:
         elif event == "restart":
             self.draft_restarts += 1
             _counters()["restarts"].inc()
+
+    def record_draft_held(self, held: dict) -> None:
+        """What the draft worker still holds after the batch emptied (DraftWorker.held)."""
+        self.draft_held = dict(held)
+        _counters()["held_seqs"].set(held.get("live_seqs", 0))
+        _counters()["held_blocks"].set(held.get("kv_blocks_used", 0))
 
     def _count_lengths(self, lengths) -> None:
         if not lengths:

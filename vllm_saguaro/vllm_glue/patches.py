@@ -149,7 +149,8 @@ def patch_runner_propose() -> None:
 
     SSD keys its state by request, so the runner's draft call is routed to
     SaguaroProposer.propose_round with the batch's request ids, token counts and the
-    scheduler's finished set. Other drafters are untouched.
+    requests finished or preempted (noted on every step, SaguaroProposer.note_gone; freed
+    at once when the batch empties). Other drafters are untouched.
     """
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -165,8 +166,7 @@ def patch_runner_propose() -> None:
             return original(self, scheduler_output, sampled_token_ids, *args, **kwargs)
         batch = self.input_batch
         req_ids = list(batch.req_ids)
-        finished = set(scheduler_output.finished_req_ids)
-        finished |= set(scheduler_output.preempted_req_ids or ())
+        finished = set()  # noted by execute_model below, on every step
         # vLLM's scheduler picks K from num_speculative_tokens_per_batch_size (if set) for
         # this step's batch size: the most tokens a row may send; the controller picks below
         drafts, probs = drafter.propose_round(
@@ -180,6 +180,23 @@ def patch_runner_propose() -> None:
         return drafts
 
     GPUModelRunner.propose_draft_token_ids = propose_draft_token_ids
+
+    # Finished and preempted requests reach the drafter from every step's scheduler
+    # output: vLLM skips the drafter on some steps (nothing scheduled, the batch has just
+    # emptied: released at once; a request within K tokens of max_model_len: sent with
+    # the next step), and the draft worker would keep their state for good.
+    execute = GPUModelRunner.execute_model
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        drafter = getattr(self, "drafter", None)
+        if isinstance(drafter, SaguaroProposer):
+            drafter.note_gone(set(scheduler_output.finished_req_ids)
+                              | set(scheduler_output.preempted_req_ids or ()))
+            if not scheduler_output.total_num_scheduled_tokens:
+                drafter.release()
+        return execute(self, scheduler_output, *args, **kwargs)
+
+    GPUModelRunner.execute_model = execute_model
 
 
 def sampling_spec(params):
@@ -240,6 +257,140 @@ def patch_cpu_rejection_sampler_expand() -> None:
     from vllm.v1.sample import rejection_sampler
 
     rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
+
+
+def is_saguaro_spec(speculative_config) -> bool:
+    """The engine's speculative config is this plugin's (custom_class + our proposer)."""
+    return (getattr(speculative_config, "method", None) == "custom_class"
+            and getattr(speculative_config, "model", None) == PROPOSER_PATH)
+
+
+def _processor(sampling_metadata, cls):
+    """The batch's logits processor of class cls, or None."""
+    return next((p for p in sampling_metadata.logitsprocs.all if isinstance(p, cls)), None)
+
+
+def apply_logit_bias_to_drafts(logits, sampling_metadata, num_draft_tokens):
+    """Add each request's logit_bias to its draft-token rows of the target logits [N, V].
+
+    LogitBiasLogitsProcessor indexes rows by request; the rejection sampler's target rows
+    are one per draft token, num_draft_tokens[r] of them for request r (possibly 0).
+    """
+    import torch
+
+    from vllm.v1.sample.logits_processor.builtin import LogitBiasLogitsProcessor
+
+    proc = _processor(sampling_metadata, LogitBiasLogitsProcessor)
+    if proc is None or not proc.biases:
+        return logits
+    reqs, toks = (t.long() for t in proc.logits_slice)
+    counts = torch.tensor(num_draft_tokens, dtype=torch.long, device=logits.device)
+    starts = torch.cumsum(counts, 0) - counts
+    per_entry = counts[reqs]  # the draft rows each (request, token) bias applies to
+    total = int(per_entry.sum())
+    if total == 0:
+        return logits
+    first = torch.repeat_interleave(starts[reqs], per_entry)
+    offset = torch.arange(total, device=logits.device) - torch.repeat_interleave(
+        torch.cumsum(per_entry, 0) - per_entry, per_entry)
+    logits[first + offset, torch.repeat_interleave(toks, per_entry)] += \
+        torch.repeat_interleave(proc.bias_tensor, per_entry)
+    return logits
+
+
+def apply_sampling_constraints(logits, cu_num_draft_tokens, sampling_metadata):
+    """vLLM's rejection_sampler.apply_sampling_constraints with min_p in the Sampler's place.
+
+    The Sampler (vllm/v1/sample/sampler.py) goes temperature -> min_p -> top-k / top-p;
+    the rejection sampler's version has no min_p, so the target's p it verifies against
+    would not be the distribution plain decoding samples from. And a step whose drafts
+    were all emptied (vLLM still verifies, with 0 rows) must not reach top-k: vLLM's own
+    version dies there (k.max() of nothing) when a request of the batch sets top_k.
+    """
+    from dataclasses import replace
+
+    from vllm.v1.sample import rejection_sampler as rs
+    from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+
+    if logits.shape[0] == 0:
+        return logits
+    proc = _processor(sampling_metadata, MinPLogitsProcessor)
+    original = _ORIGINALS["apply_sampling_constraints"]
+    if proc is None or not proc.min_p_count or sampling_metadata.all_greedy:
+        return original(logits, cu_num_draft_tokens, sampling_metadata)
+    num_tokens = logits.shape[0]
+    # temperature only (vLLM's own code with top-k / top-p switched off) ...
+    logits = original(logits, cu_num_draft_tokens,
+                      replace(sampling_metadata, top_k=None, top_p=None))
+    # ... then min_p exactly as MinPLogitsProcessor.apply, one row per draft token ...
+    min_p = rs.expand_batch_to_tokens(proc.min_p[:, 0].contiguous(), cu_num_draft_tokens,
+                                      num_tokens)
+    probs = logits.softmax(dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    logits.masked_fill_(probs < threshold, float("-inf"))
+    # ... then top-k / top-p
+    top_k, top_p = (None if v is None else rs.expand_batch_to_tokens(v, cu_num_draft_tokens,
+                                                                     num_tokens)
+                    for v in (sampling_metadata.top_k, sampling_metadata.top_p))
+    return rs.apply_top_k_top_p(logits, top_k, top_p)
+
+
+_ORIGINALS: dict[str, Any] = {}
+
+
+def patch_logit_bias_and_min_p() -> None:
+    """Why: vLLM 0.32 refuses logit_bias and min_p with any speculative decoding.
+
+    Its runner does not even build their logits processors when speculating, and its
+    rejection sampler verifies against target logits that skip both (only min_tokens of
+    the logits processors is applied per draft token), so it rejects the requests
+    (SamplingParams._validate_spec_decode). Here the verifier's target p gets them as the
+    plain Sampler applies them: logit_bias before penalties, min_p between temperature and
+    top-k / top-p; the bonus token already goes through the full Sampler. The refusal is
+    lifted only for this plugin's speculative config. Tests: tests/vllm_glue/test_patches.py
+    (against the Sampler, row by row) and tests/e2e/test_request_features.py (greedy
+    identity, chi-square through the engine).
+    """
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.sample import rejection_sampler as rs
+
+    if not _once("logit_bias_and_min_p"):
+        return
+    validate = SamplingParams._validate_spec_decode
+
+    def _validate_spec_decode(self, speculative_config):
+        if is_saguaro_spec(speculative_config):
+            return
+        return validate(self, speculative_config)
+
+    SamplingParams._validate_spec_decode = _validate_spec_decode
+
+    apply_processors = rs.RejectionSampler.apply_logits_processors
+
+    def apply_logits_processors(self, logits, sampling_metadata, metadata):
+        logits = apply_logit_bias_to_drafts(logits, sampling_metadata, metadata.num_draft_tokens)
+        return apply_processors(self, logits, sampling_metadata, metadata)
+
+    rs.RejectionSampler.apply_logits_processors = apply_logits_processors
+    _ORIGINALS["apply_sampling_constraints"] = rs.apply_sampling_constraints
+    rs.apply_sampling_constraints = apply_sampling_constraints
+
+    # With any speculative config the runner builds only min_tokens' processor; ours gets
+    # vLLM's full builtin set (custom logits processors stay refused, as vLLM does).
+    from vllm.v1.sample import logits_processor as lp
+    from vllm.v1.worker import gpu_model_runner
+
+    build = lp.build_logitsprocs
+
+    def build_logitsprocs(vllm_config, device, is_pin_memory, is_pooling_model,
+                          custom_logitsprocs=()):
+        if (is_saguaro_spec(vllm_config.speculative_config) and not is_pooling_model
+                and not custom_logitsprocs):
+            return lp.LogitsProcessors(ctor(vllm_config, device, is_pin_memory)
+                                       for ctor in lp.BUILTIN_LOGITS_PROCESSORS)
+        return build(vllm_config, device, is_pin_memory, is_pooling_model, custom_logitsprocs)
+
+    gpu_model_runner.build_logitsprocs = build_logitsprocs
 
 
 def _discarded_cpu_generators(runner) -> dict[int, Any]:
@@ -503,6 +654,7 @@ def apply_all() -> None:
     patch_runner_propose()
     patch_triton_dispatcher()
     patch_cpu_rejection_sampler_expand()
+    patch_logit_bias_and_min_p()
     patch_cpu_seeded_chunked_prefill()
     patch_omp_binding()
     patch_cpu_kv_reserve()

@@ -110,7 +110,8 @@ class SaguaroProposer:
         self.idle_above: int | None = None  # the draft idles while the batch is larger
         self._idle_since = 0.0
         self._probe_rounds: int | None = None  # idle rounds left in a probe (None: no probe)
-        self._finished_while_idle: set[str] = set()
+        # requests finished or preempted that the draft worker has not been told of yet
+        self._gone: set[str] = set()
         self.lending = None  # CoreLending: the draft's cores for the target while it idles
 
     # vLLM calls this once the target is loaded; the draft starts then, on its own device.
@@ -200,8 +201,8 @@ class SaguaroProposer:
             self._last_done = time.perf_counter()
             self.metrics.round_done(self._last_done)
             return [[] for _ in req_ids], None
-        finished = finished | self._finished_while_idle
-        self._finished_while_idle = set()
+        finished = finished | self._gone
+        self._gone = set()
         if not self.supervisor.available():  # failed; a new worker may be starting
             return self._plain_round(len(req_ids), decoding)
         if self.supervisor.resync:  # a new worker knows no sequence: all re-prefill
@@ -267,6 +268,28 @@ class SaguaroProposer:
         self.metrics.round_done(self._last_done)
         return drafts, probs
 
+    def note_gone(self, req_ids) -> None:
+        """Requests the scheduler finished or preempted: the worker frees their state with
+        the next step. Noted on every runner step (vLLM skips the drafter on some, e.g. when
+        a request of the batch is within K tokens of max_model_len), so none is lost."""
+        self._gone |= set(req_ids)
+
+    def release(self) -> dict:
+        """The batch has emptied (a step that schedules nothing, on which the runner calls
+        no drafter): the worker frees every gone request now rather than when the next
+        request comes. Returns what it still holds (DraftWorker.release)."""
+        gone, self._gone = self._gone, set()
+        for rid in gone:
+            self.mirror.pop(rid, None)
+        if not gone or self.supervisor is None or not self.supervisor.up:
+            return {}
+        try:
+            held = self.supervisor.get(self.actor.release.remote(sorted(gone)), "release")
+        except DraftUnavailable:
+            return {}
+        self.metrics.record_draft_held(held)
+        return held
+
     def _plain_round(self, rows: int, decoding: int) -> tuple[list[list[int]], None]:
         """A round without the draft worker (it failed): every row sends nothing."""
         self.target_steps = []
@@ -283,7 +306,7 @@ class SaguaroProposer:
         if self.idle_above is None:
             return False
         if not decoding:  # only prefills in this step (a batch arriving): nothing to decide
-            self._finished_while_idle |= finished
+            self._gone |= finished
             return True
         if self._probe_rounds is not None:  # measuring the lent cores: a few rounds only
             self._probe_rounds -= 1
@@ -291,7 +314,7 @@ class SaguaroProposer:
         else:
             recheck = time.monotonic() - self._idle_since >= IDLE_RECHECK_S
         if batch > self.idle_above and not recheck:
-            self._finished_while_idle |= finished
+            self._gone |= finished
             return True
         self._probe_rounds = None
         self.idle_above = None  # the draft resynchronises every sequence (mirror mismatch)
