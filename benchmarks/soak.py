@@ -359,9 +359,13 @@ def main() -> None:
     ap.add_argument("--clients", type=int, default=32, help="concurrent clients")
     ap.add_argument("--jobs", type=int, default=200, help="distinct requests the clients draw from")
     ap.add_argument("--tiny", action="store_true", help="tiny random models instead of the reference pair")
+    ap.add_argument("--speculate-always", action="store_true",
+                    help="controller.policy fixed: K tokens every round (the default controller "
+                         "leaves the draft idle at large batches, where speculation cannot pay)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/soak"))
     args = ap.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the server's log is in --out
     if args.tiny:
         from tests.tiny_models import make_tiny_llama
 
@@ -383,6 +387,8 @@ def main() -> None:
         spec = {"method": "saguaro", "draft_model": str(draft), "draft_head_tokens": HEAD_TOKENS,
                 "num_speculative_tokens": 3, "log_stats_interval_s": 30}
         max_len, max_tokens = 2048, 128
+    if args.speculate_always:
+        spec["controller"] = {"policy": "fixed"}
     jobs = make_jobs(completions, chats, args.jobs, max_tokens=max_tokens)
     print(f"plain decoding's answers for {sum(j.greedy for j in jobs)} greedy jobs ...", flush=True)
     reference = plain_reference(str(target), jobs, max_model_len=max_len, enforce_eager=True,
