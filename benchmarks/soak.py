@@ -281,7 +281,7 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serve(target: str, spec: dict, workdir: Path, extra: list[str] = (), env: dict | None = None,
-          startup_s: float = 300):
+          startup_s: float = 300, name: str = MODEL_NAME):
     """`vllm-saguaro serve TARGET --speculative-config <spec>` as a user starts it (its own
     process group, engine in its own process); yields (url, process); always stopped."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -293,7 +293,7 @@ def serve(target: str, spec: dict, workdir: Path, extra: list[str] = (), env: di
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
     cmd = [os.path.join(os.path.dirname(sys.executable), "vllm-saguaro"), "serve", target,
            "--speculative-config", str(spec_path), "--port", str(port), "--host", "127.0.0.1",
-           "--served-model-name", MODEL_NAME, *extra]
+           "--served-model-name", name, *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                             start_new_session=True)
     url = f"http://127.0.0.1:{port}"

@@ -6,64 +6,23 @@ HTTP on loopback only and always stops the server.
 import json
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 
 import pytest
 import requests
-import yaml
 
+from benchmarks.soak import serve
 from tests.e2e.conftest import make_llm, release
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def server(tiny_target, spec_base, tmp_path_factory):
     d = tmp_path_factory.mktemp("server")
-    spec_path = d / "saguaro.yaml"
-    spec_path.write_text(yaml.safe_dump(dict(spec_base, log_stats_interval_s=1)))
-    port = free_port()
-    log = open(d / "server.log", "w")
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               RAY_AUTH_MODE="disabled")
-    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as a user runs it: engine in its own process
-    cmd = [os.path.join(os.path.dirname(sys.executable), "vllm-saguaro"), "serve",
-           str(tiny_target), "--speculative-config", str(spec_path), "--port", str(port),
-           "--host", "127.0.0.1", "--enforce-eager", "--max-model-len", "512",
-           "--served-model-name", "tiny", "--seed", "0"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 240
-        while time.time() < deadline:
-            if proc.poll() is not None:
-                pytest.fail("server exited:\n" + (d / "server.log").read_text()[-4000:])
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
-        else:
-            pytest.fail("server not healthy in 240 s:\n" + (d / "server.log").read_text()[-4000:])
+    with serve(str(tiny_target), dict(spec_base, log_stats_interval_s=1), d,
+               ["--enforce-eager", "--max-model-len", "512", "--seed", "0"],
+               env={"VLLM_CPU_KVCACHE_SPACE": "1"}, startup_s=240, name="tiny") as (url, proc):
         yield url, proc, d / "server.log"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGINT)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        log.close()
 
 
 PROMPT = "w10 w11 w12 w13 w14"
