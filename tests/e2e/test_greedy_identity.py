@@ -1,4 +1,5 @@
 """Greedy SSD output must equal plain decoding token for token, whatever the cache does."""
+import os
 import random
 
 import pytest
@@ -52,10 +53,13 @@ def run_all(llm, stop_params):
 
 @pytest.mark.parametrize("variant", ["ssd", "forced_miss", "sync_sd", "geometric", "probable",
                                      "fast_fallback", "auto_fallback", "mixed_lengths",
-                                     "nothing_sent", "controller"])
-def test_greedy_identical(tiny_target, spec_base, reference, variant):
+                                     "nothing_sent", "controller", "geometric_ops"])
+def test_greedy_identical(tiny_target, spec_base, reference, variant, monkeypatch):
     ref, stop_params = reference
     spec = dict(spec_base)
+    if variant.endswith("_ops"):  # the fork by ops.fork_candidates, as on a GPU
+        monkeypatch.setenv("SAGUARO_DRAFT_OPS", "1")
+        variant = variant[: -len("_ops")]
     if variant == "forced_miss":
         spec["force_cache_miss"] = True
     elif variant == "sync_sd":
@@ -79,8 +83,10 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant):
     got = run_all(llm, stop_params)
     after = saguaro_counters(llm)
     m = drafter_of(llm).metrics
-    fast_seqs = drafter_of(llm).draft_stats()["fast_seqs"]
+    draft_stats = drafter_of(llm).draft_stats()
+    fast_seqs = draft_stats["fast_seqs"]
     release(llm)
+    assert (draft_stats["ops_forks"] > 0) == (os.environ.get("SAGUARO_DRAFT_OPS") == "1")
     for key in ref:
         assert got[key] == ref[key], f"{variant}: output differs for case {key}"
     delta = {k: after[k] - before.get(k, 0) for k in after}
@@ -122,11 +128,16 @@ def test_self_draft_hits(tiny_target, spec_base):
     assert m.hit_rate > 0.9, m.summary()
 
 
-def test_mixed_batch_greedy_rows_identical_and_seeds_reproduce(tiny_target, spec_base):
+@pytest.mark.parametrize("ops", [False, True])
+def test_mixed_batch_greedy_rows_identical_and_seeds_reproduce(tiny_target, spec_base, ops,
+                                                               monkeypatch):
     """Greedy and sampled requests (different temperatures, top-p, seeds) in one batch:
-    greedy rows stay identical to plain decoding, seeded rows repeat exactly."""
+    greedy rows stay identical to plain decoding, seeded rows repeat exactly; ops: the
+    sampled rows drawn by ops.saguaro_sample, as on a GPU."""
     from vllm import SamplingParams
 
+    if ops:
+        monkeypatch.setenv("SAGUARO_DRAFT_OPS", "1")
     prompts = make_prompts(8, 3)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True) if i % 2 == 0 else
               SamplingParams(temperature=0.6 + 0.1 * i, top_p=0.9, seed=100 + i, max_tokens=20,
@@ -138,7 +149,9 @@ def test_mixed_batch_greedy_rows_identical_and_seeds_reproduce(tiny_target, spec
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     second = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params[::-1])][::-1]
     m = drafter_of(llm).metrics
+    ops_rows = drafter_of(llm).draft_stats()["ops_rows"]
     release(llm)
+    assert (ops_rows > 0) == ops
     for i in range(0, 8, 2):
         assert first[i] == plain[i], f"greedy row {i} differs from plain decoding"
     for i in range(1, 8, 2):

@@ -29,9 +29,11 @@ def exact(tiny_target):
     return exact_two_token_distribution(tiny_target, PROMPT)
 
 
-def sample_pairs(target, spec, n=N, temperature=1.0, top_p=1.0, q_rounds=None) -> dict:
+def sample_pairs(target, spec, n=N, temperature=1.0, top_p=1.0, q_rounds=None,
+                 draft_stats=None) -> dict:
     """Counts of the first two sampled tokens; q_rounds (a list) gets, per round, whether
-    the plugin handed draft distributions q to the verifier."""
+    the plugin handed draft distributions q to the verifier; draft_stats (a dict) the
+    draft worker's counters."""
     from vllm import SamplingParams
 
     from vllm_saguaro.vllm_glue.offline import find_proposer
@@ -53,6 +55,8 @@ def sample_pairs(target, spec, n=N, temperature=1.0, top_p=1.0, q_rounds=None) -
     for o in llm.generate([{"prompt_token_ids": PROMPT}] * n, sp, use_tqdm=False):
         t = o.outputs[0].token_ids
         counts[(t[0], t[1])] = counts.get((t[0], t[1]), 0) + 1
+    if draft_stats is not None:
+        draft_stats.update(find_proposer(llm).draft_stats())
     release(llm)
     return counts
 
@@ -102,6 +106,20 @@ def test_saguaro_ssd_matches_exact(tiny_target, spec_base, name):
         assert any(q_rounds) or overrides["controller"].get("policy") == "auto"
     else:
         assert q_rounds and all(q_rounds)
+
+
+@pytest.mark.parametrize("name", ["T1-C0-geometric", "T1.5-topp0.9-C0.5"])
+def test_saguaro_ssd_through_the_ops_matches_exact(tiny_target, spec_base, name, monkeypatch):
+    """The GPU path's sampling and fork (ops.saguaro_sample, ops.fork_candidates; their
+    torch references here) through the real engine."""
+    monkeypatch.setenv("SAGUARO_DRAFT_OPS", "1")
+    temperature, top_p, overrides = SETTINGS[name]
+    exact = exact_two_token_distribution(tiny_target, PROMPT, temperature, top_p)
+    stats: dict = {}
+    counts = sample_pairs(tiny_target, dict(spec_base, **overrides), temperature=temperature,
+                          top_p=top_p, draft_stats=stats)
+    assert_follows(counts, exact, f"saguaro ssd through the ops {name}")
+    assert stats["ops_rows"] > 0 and stats["ops_forks"] > 0, stats
 
 
 def test_broken_verification_is_caught(tiny_target, spec_base, exact, monkeypatch):

@@ -46,6 +46,8 @@ class DraftStats:
     sent: list[int] = field(default_factory=lambda: [0] * 33)
     prespec_skipped: int = 0
     lent_probes: int = 0          # batch sizes idled once to measure the lent cores
+    ops_rows: int = 0             # sampled rows drawn by ops.saguaro_sample (GPU path)
+    ops_forks: int = 0            # positions forked by ops.fork_candidates (GPU path)
     # The controller's cost models as now fitted (not cumulative): the target's step
     # t(w) = fixed + per_token x w, a neural draft step d(rows) = fixed + per_row x rows,
     # and the fast backup's per-token acceptance (vllm-saguaro tune reads them).

@@ -38,6 +38,7 @@ from vllm_saguaro.draft.kv import PagedKVCache
 from vllm_saguaro.draft.linear import fp16_supported
 from vllm_saguaro.draft.model import DraftModel, check_draft_vocabulary
 from vllm_saguaro.draft.stats import DraftStats
+from vllm_saguaro.ops import saguaro_sample
 
 # (request id, tokens sampled this round or None, full token list on (re)sync or None,
 #  the request's SamplingSpec fields on (re)sync or None)
@@ -55,6 +56,12 @@ TargetStep = tuple[int, float, bool]
 # raises or never answers in its N-th step() (the draft-failure tests); only the first
 # worker gets it, a restarted one too with a ":always" suffix.
 FAULT_ENV = "SAGUARO_FAULT_INJECTION"
+
+# The sampling and fork ops (vllm_saguaro/ops) run where the draft's device is CUDA; on CPU
+# the worker keeps the per-group torch code below, which measured faster there
+# (benchmarks/ops_timing.py). "1" runs the ops (their torch references) on CPU too, so that
+# the tests drive the path a GPU takes through the real engine.
+OPS_ENV = "SAGUARO_DRAFT_OPS"
 
 # Windows longer than this (prefills, resyncs) run one sequence at a time, so that one
 # long prompt does not pad every other sequence of the batch to its length.
@@ -179,6 +186,7 @@ class DraftWorker:
         # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
         self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
         self.fault = os.environ.get(FAULT_ENV, "")
+        self.use_ops = device.type == "cuda" or os.environ.get(OPS_ENV) == "1"
         self._steps = 0
         self.generator = torch.Generator().manual_seed(0)
         self.seqs: dict[str, SeqState] = {}
@@ -627,35 +635,67 @@ class DraftWorker:
         choice = top.indices
         conf: list[float | None] = top.values.tolist()
         qs: list[torch.Tensor | None] = [None] * len(rids)
+        sampled = [i for i, rid in enumerate(rids) if not self.seqs[rid].sampling.greedy]
+        if self.use_ops and sampled:  # every sampled row in one op, each with its own draw
+            q_ops = self._sample_with_ops(logits, rids, sampled, step, origins, choice)
         # One batched draw per group: unseeded requests with the same parameters share
         # one; a seeded request's rows draw one by one from keyed generators.
         groups: dict[tuple, list[int]] = {}
-        for i, rid in enumerate(rids):
-            st = self.seqs[rid]
-            if not st.sampling.greedy:
-                groups.setdefault((st.sampling, st.sampling.seeded), []).append(i)
+        for i in sampled:
+            sampling = self.seqs[rids[i]].sampling
+            groups.setdefault((sampling, sampling.seeded), []).append(i)
         for (sampling, seeded), rows in groups.items():
             idx = torch.tensor(rows)
             fan = torch.full((len(rows),), self.fanout[step])
-            # the exact q the verifier is told (sent as counts, core/sampling.py)
-            q = quantize_distribution(draft_distribution(logits[idx], sampling, fan,
-                                                         self.saguaro_c))
-            if seeded:
-                for r, row in enumerate(rows):
-                    key = hash((sampling.seed, *origins[row], step)) & 0x7FFFFFFFFFFFFFFF
-                    gen = torch.Generator().manual_seed(key)
-                    choice[row] = torch.multinomial(q[r], 1, generator=gen)[0]
-            else:
-                choice[idx] = torch.multinomial(q, 1, generator=self.generator)[:, 0]
+            if self.use_ops:
+                q = q_ops[[sampled.index(r) for r in rows]]
+            else:  # the exact q the verifier is told (sent as counts, core/sampling.py)
+                q = quantize_distribution(draft_distribution(logits[idx], sampling, fan,
+                                                             self.saguaro_c))
+                if seeded:
+                    for r, row in enumerate(rows):
+                        gen = torch.Generator().manual_seed(
+                            self._seed_key(sampling, origins[row], step))
+                        choice[row] = torch.multinomial(q[r], 1, generator=gen)[0]
+                else:
+                    choice[idx] = torch.multinomial(q, 1, generator=self.generator)[:, 0]
             expected = [None] * len(rows)
             if step == 0:
                 p_d = draft_distribution(logits[idx], sampling._replace(seed=None), fan, 1.0)
-                expected = torch.minimum(p_d, q).sum(-1).tolist()
+                expected = torch.minimum(p_d, q.to(p_d.device)).sum(-1).tolist()
             if self.fault == "unmodified_q":
                 q = quantize_distribution(draft_distribution(logits[idx], sampling, fan, 1.0))
             for r, row in enumerate(rows):
                 qs[row], conf[row] = q[r], expected[r]
         return self.model.token_ids(choice).tolist(), qs, conf
+
+    @staticmethod
+    def _seed_key(sampling: SamplingSpec, origin: tuple[int, int], step: int) -> int:
+        """A seeded row's draw: keyed by (seed, origin, step), see _choose."""
+        return hash((sampling.seed, *origin, step)) & 0x7FFFFFFFFFFFFFFF
+
+    def _sample_with_ops(self, logits: torch.Tensor, rids: list[str], rows: list[int],
+                         step: int, origins: list[tuple[int, int]], choice: torch.Tensor
+                         ) -> torch.Tensor:
+        """ops.saguaro_sample for the sampled rows: sets their tokens in `choice`, returns
+        their q [len(rows), head]. Each row draws from a hash of its seed (ops/keys.py):
+        the keyed one for seeded requests, one from the worker's generator otherwise."""
+        specs = [self.seqs[rids[i]].sampling for i in rows]
+        seeds = torch.randint(-2**63, 2**63 - 1, (len(rows),), generator=self.generator)
+        for r, (sp, i) in enumerate(zip(specs, rows)):
+            if sp.seeded:
+                seeds[r] = self._seed_key(sp, origins[i], step)
+        dev = logits.device
+        tokens, q = saguaro_sample(
+            logits[torch.tensor(rows, device=dev)],
+            torch.tensor([sp.temperature for sp in specs], device=dev),
+            torch.tensor([sp.top_k for sp in specs], device=dev),
+            torch.tensor([sp.top_p for sp in specs], device=dev),
+            torch.full((len(rows),), self.fanout[step], device=dev),
+            self.saguaro_c, seeds.to(dev))
+        choice[torch.tensor(rows, device=choice.device)] = tokens.to(choice.device)
+        self.stats.ops_rows += len(rows)
+        return q.cpu()
 
     def _draft_now(self, rids: list[str], steps: int | None = None) -> list[Speculation]:
         """Neural fallback = ordinary SD drafting of `steps` (K) tokens, on the critical path."""
@@ -729,8 +769,10 @@ class DraftWorker:
         if self.cfg.fanout.policy == "probable":
             roots = self._probable_roots(rids, logits)
         else:
-            roots = [fanout_roots(self.model, self.seqs[r].spec, lg, self.fanout)
-                     for r, lg in zip(rids, logits)]
+            roots = [fanout_roots(self.model, self.seqs[r].spec, lg, self.fanout,
+                                  use_op=self.use_ops) for r, lg in zip(rids, logits)]
+            if self.use_ops:
+                self.stats.ops_forks += sum(len(self.seqs[r].spec) + 1 for r in rids)
         for rid, branches in zip(rids, roots):
             self.seqs[rid].roots = frozenset(Outcome(j, x) for j, x in branches)
         return roots
@@ -842,6 +884,8 @@ def make_ray_worker(config: dict, target_vocab_size: int, incarnation: int = 0):
     env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
     if cores:  # OpenMP's threads on the draft's cores, not the target's inherited OMP_PLACES
         env.update(omp_env(cores))
+    if os.environ.get(OPS_ENV):
+        env[OPS_ENV] = os.environ[OPS_ENV]
     fault = os.environ.get(FAULT_ENV, "")
     if fault:  # set either way: Ray's workers may inherit it from the raylet's start
         env[FAULT_ENV] = fault if incarnation == 0 or fault.endswith(":always") else ""
