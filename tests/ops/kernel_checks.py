@@ -21,6 +21,9 @@ DEVICE = os.environ.get("SAGUARO_OPS_TEST_DEVICE", "cpu")
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 on CPU (tests/ops/test_ops.py sets it)",
                 allow_module_level=True)
+if DEVICE.startswith("cuda") and not torch.cuda.is_available():
+    pytest.skip(f"SAGUARO_OPS_TEST_DEVICE={DEVICE} but torch sees no CUDA device",
+                allow_module_level=True)
 
 
 def _rows(gen, R, V, ties=False):

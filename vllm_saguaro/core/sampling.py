@@ -59,12 +59,14 @@ def saguaro_sigma(probs: torch.Tensor, logits: torch.Tensor, fanout: torch.Tenso
     """
     if c >= 1.0 or probs.shape[0] == 0:
         return probs
+    dev = probs.device  # fanout may come from the CPU while the rows are on a GPU
+    fanout = fanout.to(dev)
     width = min(int(fanout.max()) + 1, probs.shape[-1])
     top = torch.topk(logits, width, dim=-1).indices                     # [R, W]
-    keep = torch.arange(top.shape[1])[None, :] < (fanout[:, None] + 1)  # [R, W]
+    keep = torch.arange(top.shape[1], device=dev)[None, :] < (fanout[:, None] + 1)  # [R, W]
     scale = torch.ones_like(probs)
-    scale.scatter_(1, top, torch.where(keep, torch.tensor(c, dtype=probs.dtype),
-                                       torch.tensor(1.0, dtype=probs.dtype)))
+    scale.scatter_(1, top, torch.where(keep, torch.tensor(c, dtype=probs.dtype, device=dev),
+                                       torch.tensor(1.0, dtype=probs.dtype, device=dev)))
     sigma = probs * scale
     total = sigma.sum(dim=-1, keepdim=True)
     return torch.where(total > 0, sigma / total.clamp_min(1e-30), probs)

@@ -58,11 +58,12 @@ def outcome_estimates(logits: torch.Tensor, spec: list[int], sampling: SamplingS
     a one-hot q although the request samples (the fast backup's drafts).
     """
     m = len(spec)
-    fan = torch.tensor([fanout[min(j, len(fanout) - 1)] for j in range(m + 1)])
+    dev = logits.device  # everything below on the draft's device (a GPU's, or the CPU)
+    fan = torch.tensor([fanout[min(j, len(fanout) - 1)] for j in range(m + 1)], device=dev)
     plain = SamplingSpec(1.0) if sampling.greedy else sampling._replace(seed=None)
     p_d = draft_distribution(logits, plain, fan, 1.0)
-    ids, in_head = model.head_index(torch.tensor(spec, dtype=torch.long))
-    rows = torch.arange(m)
+    ids, in_head = model.head_index(torch.tensor(spec, dtype=torch.long, device=dev))
+    rows = torch.arange(m, device=dev)
     p_sent = torch.where(in_head, p_d[rows, ids], 0.0)
     if sampling.greedy or one_hot:
         conf = p_sent

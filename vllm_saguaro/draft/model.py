@@ -284,11 +284,13 @@ class DraftModel:
 
     def head_index(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(index in the head, whether the token is in it) of vocabulary ids; the fast
-        backup may draft tokens a cut head lacks."""
+        backup may draft tokens a cut head lacks. On token_ids' device (head_ids are on
+        the draft's)."""
         if self.head_ids is None:
             return token_ids, torch.ones_like(token_ids, dtype=torch.bool)
-        idx = torch.searchsorted(self.head_ids, token_ids).clamp(max=len(self.head_ids) - 1)
-        return idx, self.head_ids[idx] == token_ids
+        ids = token_ids.to(self.head_ids.device)
+        idx = torch.searchsorted(self.head_ids, ids).clamp(max=len(self.head_ids) - 1)
+        return idx.to(token_ids.device), (self.head_ids[idx] == ids).to(token_ids.device)
 
 
 FREQUENCY_FILE = "token_frequencies.json"

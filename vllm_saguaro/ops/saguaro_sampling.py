@@ -46,6 +46,7 @@ def saguaro_sample_reference(logits: torch.Tensor, temperature: torch.Tensor,
     R, V = logits.shape
     if R == 0:
         return torch.zeros(0, dtype=torch.long), torch.zeros(0, V)
+    c = float(torch.tensor(c, dtype=torch.float32))  # the kernels' C is a float32
     x = logits.float()
     key = sortable_key(x)
     z = x.double() / temperature.double()[:, None]
