@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from tests.ops.inputs import sampling_rows as _rows
 from vllm_saguaro.core.sampling import Q_SCALE
 from vllm_saguaro.ops.cache_lookup import cache_lookup_reference, cache_lookup_triton
 from vllm_saguaro.ops.fork import fork_candidates_reference, fork_candidates_triton
@@ -24,23 +25,6 @@ if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 if DEVICE.startswith("cuda") and not torch.cuda.is_available():
     pytest.skip(f"SAGUARO_OPS_TEST_DEVICE={DEVICE} but torch sees no CUDA device",
                 allow_module_level=True)
-
-
-def _rows(gen, R, V, ties=False):
-    logits = torch.randn(R, V, generator=gen) * 4
-    if ties:  # few distinct values: every threshold falls inside a group of equal logits
-        logits = torch.round(logits)
-    temperature = 0.3 + 1.5 * torch.rand(R, generator=gen)
-    top_k = torch.randint(0, V + 2, (R,), generator=gen)
-    top_k[::3] = 0
-    top_k[1::5] = 1
-    top_p = torch.where(torch.rand(R, generator=gen) < 0.5, 1.0,
-                        0.05 + 0.9 * torch.rand(R, generator=gen))
-    top_p[2::4] = 0.05                        # a nucleus of a token or two: cuts into top F
-    fanout = torch.randint(0, 9, (R,), generator=gen)
-    fanout[::4] = 0
-    seeds = torch.randint(-2**62, 2**62, (R,), generator=gen)
-    return logits, temperature, top_k, top_p, fanout, seeds
 
 
 def _on(*ts):

@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 
+from tests.ops.inputs import sampling_rows
 from vllm_saguaro.core.sampling import Q_SCALE
 from vllm_saguaro.ops import cuda as saguaro_cuda
 from vllm_saguaro.ops.cache_lookup import cache_lookup_reference
@@ -87,23 +88,7 @@ def built():
 
 
 def _rows(gen, R, V, ties=False):
-    logits = torch.randn(R, V, generator=gen) * 4
-    if ties:  # few distinct values: every threshold falls inside a group of equal logits
-        logits = torch.round(logits)
-    temperature = 0.3 + 1.5 * torch.rand(R, generator=gen)
-    top_k = torch.randint(0, V + 2, (R,), generator=gen)
-    top_k[::3] = 0
-    top_k[1::5] = 1
-    top_k[4] = V                              # top_k >= V: off
-    top_p = torch.where(torch.rand(R, generator=gen) < 0.5, 1.0,
-                        0.05 + 0.9 * torch.rand(R, generator=gen))
-    top_p[2::4] = 0.05                        # a nucleus of a token or two: cuts into top F
-    fanout = torch.randint(0, 9, (R,), generator=gen)
-    fanout[::4] = 0
-    fanout[5] = V + 3                         # F + 1 > V: every token in the top set
-    fanout[6] = -1                            # F < 0: F = 0, as the reference clamps
-    seeds = torch.randint(-2**62, 2**62, (R,), generator=gen)
-    return logits, temperature, top_k, top_p, fanout, seeds
+    return sampling_rows(gen, R, V, ties, edges=R >= 7)
 
 
 def _check_sample(args, c, logits=None):

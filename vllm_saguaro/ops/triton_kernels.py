@@ -39,6 +39,13 @@ def _weight(x, temp, zmax):
 
 
 @triton.jit
+def _kept(x, offs, valid, thr, temp, zmax):
+    """The lanes' weights, 0 outside the row and below the top-k / top-p cut; their ranks."""
+    key = _row_key(x)
+    return tl.where(valid & (key >= thr), _weight(x, temp, zmax), 0.0), _rank(key, offs)
+
+
+@triton.jit
 def saguaro_sample_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, fan_ptr, seed_ptr,
                           tok_ptr, q_ptr, steps_ptr, V, C: tl.constexpr, Q: tl.constexpr,
                           BLOCK: tl.constexpr):
@@ -122,9 +129,7 @@ def saguaro_sample_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, fan_
     sig = tl.zeros((), tl.float64)
     for start in range(0, V, BLOCK):
         offs, valid, x = _chunk(base, start, offs0, V)
-        key = _row_key(x)
-        e = tl.where(valid & (key >= thr), _weight(x, temp, zmax), 0.0)
-        rank = _rank(key, offs)
+        e, rank = _kept(x, offs, valid, thr, temp, zmax)
         s += tl.sum(e, 0)
         sig += tl.sum(tl.where(rank >= nth, e * C, e), 0)
     top_scale = tl.where(sig > 0.0, C, 1.0)  # C = 0 with all the mass on top: unscaled
@@ -140,9 +145,7 @@ def saguaro_sample_kernel(logits_ptr, stride, temp_ptr, topk_ptr, topp_ptr, fan_
     token = tl.zeros((), tl.int64)
     for start in range(0, V, BLOCK):
         offs, valid, x = _chunk(base, start, offs0, V)
-        key = _row_key(x)
-        e = tl.where(valid & (key >= thr), _weight(x, temp, zmax), 0.0)
-        rank = _rank(key, offs)
+        e, rank = _kept(x, offs, valid, thr, temp, zmax)
         e = tl.where(rank >= nth, e * top_scale, e)
         cum = carry + tl.cumsum(e / norm, 0)
         carry = tl.max(tl.where(valid, cum, 0.0), 0)
