@@ -5,9 +5,9 @@ import time
 
 import pytest
 
-from vllm_saguaro.core.placement import (compute_threads, explicit_binding, omp_env,
-                                         parse_cores, plan_draft_cores, process_threads,
-                                         target_cpu_lists)
+from vllm_saguaro.core.placement import (compute_threads, explicit_binding,
+                                         note_ray_client_threads, omp_env, parse_cores,
+                                         plan_draft_cores, process_threads, target_cpu_lists)
 
 
 def test_parse_cores_and_explicit_binding():
@@ -77,6 +77,27 @@ def test_process_threads_see_a_busy_thread_and_its_affinity():
     assert spinner, f"the spinning thread was not seen as busy: {busy}"
     assert spinner[0]["cores"] == [cores[0]]
     assert all(t["busy_s"] >= 0.3 * wall for t in busy)
+
+
+def test_threads_started_since_a_snapshot_are_marked_as_ray_clients():
+    """make_ray_worker snapshots the tids, runs ray.init, and marks the new threads: only
+    those, not the ones that were there before or start later."""
+    stop = threading.Event()
+    old = threading.Thread(target=stop.wait)
+    old.start()
+    before = {t.tid for t in process_threads()}
+    new = threading.Thread(target=stop.wait)  # stands for Ray's IO thread
+    new.start()
+    note_ray_client_threads(before)
+    later = threading.Thread(target=stop.wait)
+    later.start()
+    marks = {t["tid"]: t["ray_client"] for t in (i.as_dict() for i in process_threads())}
+    stop.set()
+    for th in (old, new, later):
+        th.join()
+    assert marks[new.native_id] is True
+    assert marks[old.native_id] is False and marks[later.native_id] is False
+    assert marks[os.getpid()] is False
 
 
 def test_swap_environ_sets_unsets_and_restores(monkeypatch):

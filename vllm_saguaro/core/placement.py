@@ -119,7 +119,7 @@ class ThreadInfo:
 
     def as_dict(self) -> dict:
         return {"tid": self.tid, "name": self.name, "cores": list(self.cores),
-                "cpu_s": round(self.cpu_s, 4)}
+                "cpu_s": round(self.cpu_s, 4), "ray_client": is_ray_client_thread(self.tid)}
 
 
 def process_threads(pid: int | None = None) -> list[ThreadInfo]:
@@ -140,6 +140,21 @@ def process_threads(pid: int | None = None) -> list[ThreadInfo]:
             continue
         out.append(ThreadInfo(tid, comm, cores, cpu_s))
     return out
+
+
+_ray_client_tids: set[int] = set()
+
+
+def note_ray_client_threads(before: set[int]) -> None:
+    """Remember the threads of this process that appeared since `before` (tids taken just
+    before ray.init): Ray's client threads (its IO and gRPC threads, which carry every
+    round's calls to the draft), started on the draft's cores on purpose. Placement checks
+    tell them from the target's own threads by this mark, not by their CPU time."""
+    _ray_client_tids.update(t.tid for t in process_threads() if t.tid not in before)
+
+
+def is_ray_client_thread(tid: int) -> bool:
+    return tid in _ray_client_tids
 
 
 def bind_process(cores: list[int] | set[int]) -> None:

@@ -26,7 +26,8 @@ from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beat
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
-from vllm_saguaro.core.placement import bind_process, omp_env, process_threads, swap_environ
+from vllm_saguaro.core.placement import (bind_process, note_ray_client_threads, omp_env,
+                                         process_threads, swap_environ)
 from vllm_saguaro.core.sampling import (SamplingSpec, draft_distribution,
                                         quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
@@ -869,9 +870,11 @@ def make_ray_worker(config: dict, target_vocab_size: int, incarnation: int = 0):
         try:
             # Only small objects cross (outcomes, drafts, q rows): Ray's default object
             # store would reserve 30% of the machine's memory in /dev/shm.
+            threads = {t.tid for t in process_threads()}
             ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
                      configure_logging=False, ignore_reinit_error=True,
                      object_store_memory=OBJECT_STORE_BYTES)
+            note_ray_client_threads(threads)
         except Exception as err:
             raise RuntimeError(
                 f"Saguaro: Ray could not start for the draft worker ({describe(err)}). "
