@@ -45,7 +45,7 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s",
                  "draft_step_s", "unpack_s", "hit_rounds", "hit_reply_s", "miss_reply_s",
-                 "target_rounds", "target_s", "plain_rounds", "idle_rounds")
+                 "target_rounds", "target_s", "plain_rounds", "idle_rounds", "transfer_bytes")
 DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "fast_seqs", "fast_rounds",
                 "branches", "hit_outcomes", "hit_tokens", "neural_outcomes", "neural_tokens",
                 "fast_outcomes", "fast_tokens", "miss_k", "miss_bonus", "miss_cut_short",
@@ -713,6 +713,8 @@ def round_profile(rec: dict) -> dict | None:
                          if c["draft.prespec_runs"] else None),
         "branches_per_seq": c["draft.branches"] / lookups if lookups else None,
         "q_kb_per_round": c["draft.q_bytes"] / rounds / 1024,
+        "transfer_kb_per_round": (c["plugin.transfer_bytes"] / rounds / 1024
+                                  if "plugin.transfer_bytes" in c else None),
     }
     for r in ("k", "bonus", "cut_short", "not_started"):
         out[f"miss_{r}"] = c[f"draft.miss_{r}"] / lookups if lookups else None

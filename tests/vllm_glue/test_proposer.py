@@ -148,3 +148,20 @@ def test_lending_binding_reads_openmps_lists(monkeypatch):
     assert lending_binding([7]) and not lending_binding([3])
     monkeypatch.delenv("GOMP_CPU_AFFINITY")
     assert not lending_binding([1])
+
+
+def test_payload_bytes_and_the_transfer_line():
+    """A round's payload: token ids at 4 bytes (outcomes and resync prompts out, drafts
+    back), a byte a hit flag, q's uint16 counts; the SSD line shows it per round."""
+    import numpy as np
+
+    updates = [("a", [7, 8], None, None), ("b", None, list(range(10)), (0.0, 0, 1.0, None))]
+    q = np.zeros((3, 100), dtype=np.uint16)
+    results = [([1, 2, 3], True, None), ([4, 5, 6], None, q)]
+    assert mod.payload_bytes(updates, results) == 4 * 12 + (12 + 1) * 2 + 600
+    m = SaguaroMetrics(0.0)
+    m.record_round([True, None], 0.0, 0.004, draft_s=0.003, unpack_s=0.001,
+                   lengths=[3, 3], transfer_bytes=2048)
+    m.record_round([True, True], 0.0, 0.002, draft_s=0.002, lengths=[3, 3], transfer_bytes=0)
+    assert m.transfer_bytes == 2048 and abs(m.transport_s - 0.002) < 1e-9
+    assert "transfer 1.0 KB/round in 1.00 ms" in m.summary()

@@ -53,6 +53,8 @@ def _counters() -> dict:
                           "a new worker is up"),
             "restarts": c("draft_restarts", "New draft workers up after a failure"),
             "down": c("draft_down_rounds", "Plain rounds while no draft worker was up"),
+            "transfer": c("transfer_bytes", "Payload between target and draft worker: token "
+                          "ids (4 bytes), hit flags, q counts (2 bytes per head token)"),
             "held_seqs": g("draft_sequences", "Sequences the draft worker holds state for, "
                            "as of the last time the batch emptied (0 unless requests leak)"),
             "held_blocks": g("draft_kv_blocks_used", "The draft worker's KV blocks in use, "
@@ -76,6 +78,11 @@ class SaguaroMetrics:
     # to the next round's call (verification, sampling, vLLM's scheduling).
     draft_step_s: float = 0.0     # the draft worker's own compute in step() (lookup, fallback)
     unpack_s: float = 0.0         # drafts and q into the verifier's tensors
+    # What crosses per round (both ways): the payload (token ids at 4 bytes, hit flags, q
+    # as uint16 counts over the draft head; Ray's framing not counted), and the time it
+    # costs the target: the step call minus the worker's compute, plus the unpacking.
+    transfer_bytes: int = 0
+    transport_s: float = 0.0
     hit_rounds: int = 0           # rounds in which every sequence hit
     hit_reply_s: float = 0.0      # the target's whole wait on those rounds
     miss_reply_s: float = 0.0     # and on the others (a miss, a new sequence)
@@ -103,12 +110,15 @@ class SaguaroMetrics:
 
     def record_round(self, flags: list, wait_prespec: float, wait_step: float,
                      draft_s: float = 0.0, unpack_s: float = 0.0,
-                     started: float | None = None, lengths: list[int] = ()) -> None:
+                     started: float | None = None, lengths: list[int] = (),
+                     transfer_bytes: int = 0) -> None:
         if started is not None and self._last_done is not None and started - self._last_done < 5.0:
             self.target_rounds += 1  # not after an idle gap (between requests)
             self.target_s += started - self._last_done
         self.draft_step_s += draft_s
         self.unpack_s += unpack_s
+        self.transfer_bytes += transfer_bytes
+        self.transport_s += max(0.0, wait_step - draft_s) + unpack_s
         reply = wait_prespec + wait_step + unpack_s
         if flags and all(f is True for f in flags):
             self.hit_rounds += 1
@@ -132,6 +142,7 @@ class SaguaroMetrics:
         c["hits"].inc(hits)
         c["fallbacks"].inc(fallbacks)
         c["wait"].inc(wait_prespec + wait_step)
+        c["transfer"].inc(transfer_bytes)
         self._maybe_log()
 
     def record_idle_round(self, seqs: int) -> None:
@@ -199,7 +210,12 @@ class SaguaroMetrics:
                 f"fallback drafts {self.fallbacks}, rounds {self.rounds}, "
                 f"target waited {self.wait_prespec_s + self.wait_step_s:.2f}s "
                 f"(pre-speculation {self.wait_prespec_s:.2f}s, lookup/fallback {self.wait_step_s:.2f}s), "
-                f"{self.lengths_summary()}{failures}")
+                f"{self.transfer_summary()}, {self.lengths_summary()}{failures}")
+
+    def transfer_summary(self) -> str:
+        n = max(self.rounds, 1)
+        return (f"transfer {self.transfer_bytes / n / 1024:.1f} KB/round in "
+                f"{self.transport_s / n * 1e3:.2f} ms")
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if not k.startswith("_")} | {

@@ -48,6 +48,14 @@ IDLE_RECHECK_S = 30.0
 PROBE_ROUNDS = 8
 
 
+def payload_bytes(updates: list, results: list) -> int:
+    """What a round moves between target and draft: 4 bytes a token id (outcomes out,
+    resync prompts out, drafts back), a byte a hit flag, q's uint16 counts back."""
+    out = sum(4 * len(u[1] if u[1] is not None else u[2]) for u in updates)
+    back = sum(4 * len(tokens) + 1 + (0 if q is None else q.nbytes) for tokens, _, q in results)
+    return out + back
+
+
 def process_cores() -> set[int]:
     """The cores this process may use, as it had them before an in-process engine's
     binding narrowed its main thread (so a second engine plans from the same cores)."""
@@ -260,7 +268,8 @@ class SaguaroProposer:
             self.metrics.record_round([flag for _, flag, _ in results], waited, t1 - t0 - waited,
                                       draft_s=computed, unpack_s=t2 - t1,
                                       started=None if fresh else t0,
-                                      lengths=[len(tokens) for tokens, _, _ in results])
+                                      lengths=[len(tokens) for tokens, _, _ in results],
+                                      transfer_bytes=payload_bytes(updates, results))
         # the next target step is clean (decode only) when no row is still prefilling
         if rows and len(rows) == len(req_ids):
             self._width = sum(1 + len(d) for d in drafts)
