@@ -4,6 +4,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from vllm_saguaro.config import SaguaroConfig
+from vllm_saguaro.core.cache import SpeculationCache
 from vllm_saguaro.core.outcome import Outcome
 from vllm_saguaro.draft.model import DraftModel
 from vllm_saguaro.draft.worker import DraftWorker
@@ -48,7 +49,21 @@ def test_forward_matches_transformers(tiny_target, hf):
     torch.testing.assert_close(ours.logits(hidden), ref, atol=2e-4, rtol=2e-4)
 
 
-def test_fallback_and_branches_are_greedy_continuations(tiny_target, hf):
+@pytest.fixture(params=[False, True], ids=["dict_cache", "device_table"])
+def cache_kind(request, monkeypatch):
+    """The speculation cache as a dict per sequence (CPU) or as the device table the worker
+    uses with the ops (CUDA; SAGUARO_DRAFT_OPS=1 on CPU)."""
+    from vllm_saguaro.draft.speculation_table import TableView
+    from vllm_saguaro.draft.worker import OPS_ENV
+
+    if request.param:
+        monkeypatch.setenv(OPS_ENV, "1")
+    else:
+        monkeypatch.delenv(OPS_ENV, raising=False)
+    return TableView if request.param else SpeculationCache
+
+
+def test_fallback_and_branches_are_greedy_continuations(tiny_target, hf, cache_kind):
     w = worker(tiny_target)
     prompts = {"a": [5, 17, 99, 3, 250, 7], "b": [9, 8, 7, 300, 301, 302, 303, 11, 12]}
     out = step(w, [(r, None, p, None) for r, p in prompts.items()], [])
@@ -58,6 +73,7 @@ def test_fallback_and_branches_are_greedy_continuations(tiny_target, hf):
     w.prespeculate()
     for rid, p in prompts.items():
         st = w.seqs[rid]
+        assert isinstance(st.cache, cache_kind)
         assert len(st.cache) == 4 * 3
         for (k, bonus), branch in st.cache.entries.items():
             prefix = p + st.spec[:k] + [bonus]
@@ -66,11 +82,12 @@ def test_fallback_and_branches_are_greedy_continuations(tiny_target, hf):
                 assert bonus != st.spec[k], "the sent token is never a bonus candidate"
 
 
-def test_hits_misses_and_rollback(tiny_target, hf):
+def test_hits_misses_and_rollback(tiny_target, hf, cache_kind):
     w = worker(tiny_target)
     p = [5, 17, 99, 3, 250, 7]
     (spec, _, _), = step(w, [("a", None, p, None)], [])
     w.prespeculate()
+    assert isinstance(w.seqs["a"].cache, cache_kind)
     cached = w.seqs["a"].cache.entries
     (k, bonus), branch = next(iter(cached.items()))
     sampled = spec[:k] + [bonus]

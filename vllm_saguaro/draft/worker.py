@@ -38,6 +38,7 @@ from vllm_saguaro.draft.fork import fanout_roots, outcome_estimates
 from vllm_saguaro.draft.kv import PagedKVCache
 from vllm_saguaro.draft.linear import fp16_supported
 from vllm_saguaro.draft.model import DraftModel, check_draft_vocabulary
+from vllm_saguaro.draft.speculation_table import SpeculationTable, TableView
 from vllm_saguaro.draft.stats import DraftStats
 from vllm_saguaro.ops import saguaro_sample
 
@@ -188,6 +189,9 @@ class DraftWorker:
         self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
         self.fault = os.environ.get(FAULT_ENV, "")
         self.use_ops = device.type == "cuda" or os.environ.get(OPS_ENV) == "1"
+        # with the ops, the speculation cache of the whole batch is one table on the device
+        self.table = (SpeculationTable(self.K, self.model.lm_head.shape[0], device)
+                      if self.use_ops else None)
         self._steps = 0
         self.generator = torch.Generator().manual_seed(0)
         self.seqs: dict[str, SeqState] = {}
@@ -303,6 +307,7 @@ class DraftWorker:
         for rid in finished:
             self.drop(rid)
         self._round += 1
+        on_table = self._table_lookups(updates)
         hits: dict[int, Speculation] = {}
         misses: list[int] = []
         looked_up: set[int] = set()
@@ -328,7 +333,9 @@ class DraftWorker:
             self.stats.lookups += 1
             looked_up.add(i)
             outcome, hit = outcome_from_sampled(sampled), None
-            if cache is not None and not self.cfg.force_cache_miss:  # None: cut short
+            if rid in on_table:
+                hit = on_table[rid]
+            elif cache is not None and not self.cfg.force_cache_miss:  # None: cut short
                 hit = cache.lookup(outcome)
             if hit is None:
                 misses.append(i)
@@ -523,6 +530,16 @@ class DraftWorker:
             return True
         hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
         return speculation_pays([hit] * batch, self.target_cost.predict, self._plain_s())
+
+    def _table_lookups(self, updates: list[Update]) -> dict[str, Speculation | None]:
+        """The verified outcomes of every sequence whose branches are on the table, matched
+        in one op (cache_lookup) before the round's loop reads them."""
+        if self.table is None or self.cfg.force_cache_miss or not self.cfg.async_:
+            return {}
+        queries = [(rid, outcome_from_sampled(sampled)) for rid, sampled, full, _ in updates
+                   if full is None and isinstance(getattr(self.seqs.get(rid), "cache", None),
+                                                  TableView)]
+        return {rid: hit for (rid, _), hit in zip(queries, self.table.lookup(queries))}
 
     def _note_miss(self, outcome: Outcome, cache, roots, aborted: bool) -> None:
         """Count the miss under its reason (stats.MISS_REASONS)."""
@@ -729,6 +746,9 @@ class DraftWorker:
             return
         self.stats.prespec_runs += 1
         self._prespec_pending = True
+        if self.table is not None:  # the branches still waiting for their outcome stay
+            self.table.retain([r for r, st in self.seqs.items()
+                               if isinstance(st.cache, TableView)])
         t0 = time.perf_counter()
         hidden = self._glue(rids)
         roots = self._fork(rids, hidden)
@@ -744,9 +764,12 @@ class DraftWorker:
             return
         self.stats.prespec_done += 1
         for rid, branches, specs in zip(rids, roots, drafted):
-            cache = SpeculationCache()
-            for (j, x), spec in zip(branches, specs):
-                cache.put(Outcome(j, x), spec)
+            outcomes = [Outcome(j, x) for j, x in branches]
+            if self.table is not None:
+                self.table.put(rid, outcomes, specs)
+                cache = TableView(self.table, rid, len(outcomes))
+            else:
+                cache = SpeculationCache({o: spec for o, spec in zip(outcomes, specs)})
             self.seqs[rid].cache = cache
             self.stats.branches += len(branches)
 
