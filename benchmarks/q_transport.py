@@ -6,8 +6,11 @@ A Ray actor (as the draft worker is) returns `rows` sampled rows of K = 3 distri
 per call; the caller unpacks them into the verifier's [rows, K, vocab] float32 tensor, as
 vllm_glue/proposer.py does. Formats: 'float32-vocab' (q as dense float32 rows over the
 whole 49152-token vocabulary, what crossed before) and 'uint16-head' (exact counts over
-the draft head's 16384 tokens, core/sampling.py, what crosses now). Greedy rows send
-nothing in either. Medians over --rounds calls of the bytes, the round trip and the unpack.
+the draft head's 16384 tokens, core/sampling.py, what crosses now) through Ray's reply,
+and 'uint16-head-channel': the same counts as one int16 tensor over the 2-rank group of
+vllm_saguaro/transport.py (gloo here; NCCL, device to device, on GPUs), Ray carrying only
+the shapes. Greedy rows send nothing in any. Medians over --rounds calls of the bytes, the
+round trip and the unpack.
 """
 from __future__ import annotations
 
@@ -29,6 +32,22 @@ class _Sender:
         g = torch.Generator().manual_seed(0)
         q = torch.softmax(torch.randn(64 * K, HEAD, generator=g) * 2, -1)
         self.head_q = quantize_distribution(q)
+        self.channel = None
+
+    def connect(self, address):
+        from vllm_saguaro.transport import TensorChannel
+
+        self.channel = TensorChannel(tuple(address), 1, timeout_s=60)
+
+    def send_channel(self, rows: int):
+        import torch
+
+        from vllm_saguaro.core.sampling import Q_SCALE
+
+        counts = torch.round(self.head_q[: rows * K] * Q_SCALE).to(torch.int32)
+        t = counts.to(torch.int16).view(rows, K, HEAD)
+        self._works = self.channel.send([t])  # kept until the next call
+        return self.channel.describe([t])
 
     def send(self, fmt: str, rows: int):
         import torch
@@ -47,20 +66,27 @@ class _Sender:
         return out
 
 
-def measure(actor, fmt: str, rows: int, rounds: int) -> dict:
+def measure(actor, fmt: str, rows: int, rounds: int, channel=None) -> dict:
     import ray
     import torch
 
-    from vllm_saguaro.core.sampling import unpack_counts
+    from vllm_saguaro.core.sampling import Q_SCALE, unpack_counts
 
     head_ids = torch.arange(HEAD)
     trips, unpacks, nbytes = [], [], 0
     for _ in range(rounds + 2):
         t0 = time.perf_counter()
-        qs = ray.get(actor.send.remote(fmt, rows))
+        if fmt == "uint16-head-channel":
+            (counts,) = channel.recv(ray.get(actor.send_channel.remote(rows)))
+            qs = [counts]
+        else:
+            qs = ray.get(actor.send.remote(fmt, rows))
         t1 = time.perf_counter()
         probs = torch.zeros(rows, K, VOCAB)
-        if fmt == "float32-vocab":
+        if fmt == "uint16-head-channel":  # one scatter of the widened counts
+            q = (counts.to(torch.int32) & 0xFFFF).float().view(-1, HEAD) / Q_SCALE
+            probs.view(-1, VOCAB).scatter_(1, head_ids.expand(q.shape[0], HEAD), q)
+        elif fmt == "float32-vocab":
             for r, q in enumerate(qs):
                 probs[r].numpy()[...] = q
         else:  # as vllm_glue/proposer.py does
@@ -84,13 +110,19 @@ def main() -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              object_store_memory=512 * 2**20)
+    from vllm_saguaro.transport import TensorChannel, free_address
+
     actor = ray.remote(num_cpus=0)(_Sender).remote()
+    address = free_address()
+    connected = actor.connect.remote(address)
+    channel = TensorChannel(address, 0, timeout_s=60)
+    ray.get(connected)
     results = []
     print("| q format | sampled rows | KB per round | round trip ms | unpack ms |")
     print("|---|---|---|---|---|")
     for rows in map(int, args.rows.split(",")):
-        for fmt in ("float32-vocab", "uint16-head"):
-            r = measure(actor, fmt, rows, args.rounds)
+        for fmt in ("float32-vocab", "uint16-head", "uint16-head-channel"):
+            r = measure(actor, fmt, rows, args.rounds, channel)
             results.append(r)
             print(f"| {fmt} | {rows} | {r['kb']} | {r['round_trip_ms']} | {r['unpack_ms']} |",
                   flush=True)

@@ -158,6 +158,12 @@ class SaguaroConfig(BaseModel):
     force_cache_miss: bool = Field(
         False, description="testing switch: every lookup misses, so the fallback drafts"
     )
+    transport: Literal["auto", "ray", "channel"] = Field(
+        "auto", description="how q crosses from the draft to the target each round: 'ray' "
+        "in the step call's reply (host memory); 'channel' over a 2-rank torch.distributed "
+        "group of their own (NCCL between GPUs, device to device; gloo otherwise), Ray "
+        "carrying only the call. auto = channel when draft_device is a GPU, else ray"
+    )
     log_stats_interval_s: float = Field(10.0, ge=0.0, description="0 disables the SSD log line")
 
     @field_validator("draft_model")

@@ -34,12 +34,12 @@ def reference(tiny_target):
     return out, again
 
 
-def ssd(tiny_target, spec_base, monkeypatch, fault=None):
+def ssd(tiny_target, spec_base, monkeypatch, fault=None, transport="ray"):
     """An SSD engine whose draft workers get `fault` (the first one only, unless it ends
     in ":always"; set for the whole test: restarts read it when they start)."""
     if fault:
         monkeypatch.setenv("SAGUARO_FAULT_INJECTION", fault)
-    return make_llm(tiny_target, dict(spec_base, supervision=SUPERVISION))
+    return make_llm(tiny_target, dict(spec_base, supervision=SUPERVISION, transport=transport))
 
 
 def check(llm, reference, before):
@@ -63,9 +63,12 @@ def check(llm, reference, before):
     assert after["vllm:spec_decode_num_draft_tokens"] > mid.get("vllm:spec_decode_num_draft_tokens", 0)
 
 
-def test_draft_process_killed_mid_batch(tiny_target, spec_base, reference, monkeypatch):
-    """SIGKILL of the draft worker's process from outside, while the batch decodes."""
-    llm = ssd(tiny_target, spec_base, monkeypatch)
+@pytest.mark.parametrize("transport", ["ray", "channel"])
+def test_draft_process_killed_mid_batch(tiny_target, spec_base, reference, monkeypatch,
+                                        transport):
+    """SIGKILL of the draft worker's process from outside, while the batch decodes; with
+    q over the TensorChannel too (the new worker gets a new channel)."""
+    llm = ssd(tiny_target, spec_base, monkeypatch, transport=transport)
     before = saguaro_counters(llm)
     drafter = drafter_of(llm)
     pid = drafter.draft_threads()["pid"]
@@ -81,8 +84,19 @@ def test_draft_process_killed_mid_batch(tiny_target, spec_base, reference, monke
     killer = threading.Thread(target=kill_after_a_few_rounds, daemon=True)
     killer.start()
     try:
+        first = drafter.channel
         check(llm, reference, before)
         assert killed.is_set()
+        if transport == "channel":
+            assert first is not None and drafter.channel is not None
+            assert drafter.channel is not first, "the restarted worker kept the old channel"
+            from vllm import SamplingParams
+
+            sampled = [SamplingParams(temperature=1.0, seed=i, max_tokens=20, ignore_eos=True)
+                       for i in range(4)]
+            out = llm.generate(make_prompts(4, 3), sampled, use_tqdm=False)
+            assert [len(o.outputs[0].token_ids) for o in out] == [20] * 4
+            assert drafter.draft_stats()["channel_sends"] > 0, "no q crossed the new channel"
     finally:
         release(llm)
 

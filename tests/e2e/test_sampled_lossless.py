@@ -110,16 +110,18 @@ def test_saguaro_ssd_matches_exact(tiny_target, spec_base, name):
 
 @pytest.mark.parametrize("name", ["T1-C0-geometric", "T1.5-topp0.9-C0.5"])
 def test_saguaro_ssd_through_the_ops_matches_exact(tiny_target, spec_base, name, monkeypatch):
-    """The GPU path's sampling and fork (ops.saguaro_sample, ops.fork_candidates; their
-    torch references here) through the real engine."""
+    """The GPU path through the real engine: sampling and fork by the ops
+    (ops.saguaro_sample, ops.fork_candidates; their torch references here), the speculation
+    cache as the device table, q over the TensorChannel (gloo here, NCCL on GPUs)."""
     monkeypatch.setenv("SAGUARO_DRAFT_OPS", "1")
     temperature, top_p, overrides = SETTINGS[name]
     exact = exact_two_token_distribution(tiny_target, PROMPT, temperature, top_p)
     stats: dict = {}
-    counts = sample_pairs(tiny_target, dict(spec_base, **overrides), temperature=temperature,
-                          top_p=top_p, draft_stats=stats)
+    counts = sample_pairs(tiny_target, dict(spec_base, **overrides, transport="channel"),
+                          temperature=temperature, top_p=top_p, draft_stats=stats)
     assert_follows(counts, exact, f"saguaro ssd through the ops {name}")
     assert stats["ops_rows"] > 0 and stats["ops_forks"] > 0, stats
+    assert stats["hits"] > 0 and stats["channel_sends"] > 0, stats
 
 
 def test_broken_verification_is_caught(tiny_target, spec_base, exact, monkeypatch):

@@ -165,3 +165,18 @@ def test_payload_bytes_and_the_transfer_line():
     m.record_round([True, True], 0.0, 0.002, draft_s=0.002, lengths=[3, 3], transfer_bytes=0)
     assert m.transfer_bytes == 2048 and abs(m.transport_s - 0.002) < 1e-9
     assert "transfer 1.0 KB/round in 1.00 ms" in m.summary()
+
+
+def test_transport_resolves_to_the_channel_backend_the_devices_allow(tiny_target):
+    from vllm_saguaro.config import SaguaroConfig
+
+    def backend(transport, draft_device, target_device):
+        cfg = SaguaroConfig.model_validate(dict(draft_model=str(tiny_target),
+                                                transport=transport, draft_device=draft_device))
+        return mod.channel_backend(cfg, target_device)
+
+    assert backend("auto", "cpu", "cpu") is None                 # CPU keeps Ray's reply
+    assert backend("auto", "cuda:1", "cuda:0") == "nccl"         # GPU to GPU
+    assert backend("channel", "cpu", "cpu") == "gloo"            # the CPU test of the path
+    assert backend("channel", "cuda:1", "cpu") == "gloo"
+    assert backend("ray", "cuda:1", "cuda:0") is None

@@ -109,13 +109,28 @@ def wire_counts(q: torch.Tensor):
     return torch.round(q * Q_SCALE).to(torch.int32).numpy().astype("uint16")
 
 
+def counts_int16(q: torch.Tensor) -> torch.Tensor:
+    """A quantized q as its counts in an int16 tensor on q's device (the device speculation
+    table's and the channel's form, 2 bytes a token like the wire's uint16): a count of
+    Q_SCALE = 2^15 (all the mass on one token) is one past int16, so the bits are uint16's."""
+    return torch.round(q * Q_SCALE).to(torch.int32).to(torch.int16)
+
+
+def q_from_int16(counts: torch.Tensor) -> torch.Tensor:
+    """counts_int16's tensor -> the exact float32 q, on its device."""
+    return (counts.to(torch.int32) & 0xFFFF).float() / Q_SCALE
+
+
 def from_wire(counts) -> torch.Tensor:
-    """uint16 counts -> the exact float32 q the draft sampled from."""
+    """uint16 counts (or counts_int16's tensor, from the channel) -> the exact float32 q
+    the draft sampled from."""
+    if isinstance(counts, torch.Tensor):
+        return q_from_int16(counts).cpu()
     return torch.from_numpy(counts.astype("float32")) / Q_SCALE
 
 
 def unpack_counts(counts: list, head_ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """Rows of uint16 counts [K_i, head] -> the exact q [rows, max K_i, vocab] float32 the
+    """Rows of uint16 counts [K_i, head] (or counts_int16's tensors) -> the exact q [rows, max K_i, vocab] float32 the
     verifier needs, zero outside the head: one scatter for the whole batch."""
     k = max(c.shape[0] for c in counts)
     head = counts[0].shape[1]

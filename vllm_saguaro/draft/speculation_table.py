@@ -13,7 +13,7 @@ q is kept as the exact integer counts the draft sampled from (core/sampling.Q_SC
 bytes each like bf16, but exact: the verifier must be told the very q a token was drawn
 from, and bf16's 8 bits of mantissa would change it (the sampled output would no longer
 be distributed as the target's). Counts run to Q_SCALE = 2^15, one past int16, so they are
-stored as uint16 bit patterns in int16 and widened on the way out.
+stored as uint16 bit patterns in int16 (core/sampling.counts_int16).
 
 The branches' KV is not kept: the next round's glue pass runs the sent speculation into
 the paged KV anyway (draft/kv.py), so a branch's scratch KV would only save that pass's
@@ -26,7 +26,7 @@ import torch
 
 from vllm_saguaro.core.cache import Speculation
 from vllm_saguaro.core.outcome import Outcome
-from vllm_saguaro.core.sampling import Q_SCALE
+from vllm_saguaro.core.sampling import counts_int16, q_from_int16
 from vllm_saguaro.ops import cache_lookup
 
 
@@ -112,8 +112,7 @@ class SpeculationTable:
                 if self.q is None:
                     self.q = torch.zeros(self.capacity, self.K, self.head, dtype=torch.int16,
                                          device=self.device)
-                counts = torch.round(spec.probs.to(self.device) * Q_SCALE).to(torch.int32)
-                self.q[r, :m] = counts.to(torch.int16)  # 2^15 wraps to -2^15: widened below
+                self.q[r, :m] = counts_int16(spec.probs.to(self.device))
         self.size += n
 
     def holds(self, rid: str) -> bool:
@@ -139,7 +138,7 @@ class SpeculationTable:
         for j, (r, m) in enumerate(zip(hit_rows, lengths)):
             probs = None
             if sampled[j]:
-                probs = (self.q[r, :m].to(torch.int32) & 0xFFFF).float() / Q_SCALE
+                probs = q_from_int16(self.q[r, :m])
             found[r] = Speculation(tokens[j][:m], probs,
                                    [None if c != c else c for c in conf[j][:m]])
         return [found.get(i) if i >= 0 else None for i in idx]

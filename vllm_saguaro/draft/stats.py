@@ -66,6 +66,7 @@ class DraftStats:
     prespec_runs: int = 0
     prespec_done: int = 0         # pre-speculations that filled their caches
     q_bytes: int = 0              # bytes of draft distributions q sent to the target
+    channel_sends: int = 0      # rounds whose q went over the TensorChannel (transport)
 
     def note_outcome(self, source: str, tokens: int) -> None:
         setattr(self, f"{source}_outcomes", getattr(self, f"{source}_outcomes") + 1)

@@ -28,7 +28,7 @@ from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.placement import (bind_process, note_ray_client_threads, omp_env,
                                          process_threads, swap_environ)
-from vllm_saguaro.core.sampling import (SamplingSpec, draft_distribution,
+from vllm_saguaro.core.sampling import (SamplingSpec, counts_int16, draft_distribution,
                                         quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
                                          select_outcomes)
@@ -189,6 +189,8 @@ class DraftWorker:
         self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
         self.fault = os.environ.get(FAULT_ENV, "")
         self.use_ops = device.type == "cuda" or os.environ.get(OPS_ENV) == "1"
+        self.channel = None  # a TensorChannel to the target, when transport is 'channel'
+        self._sending: list = []
         # with the ops, the speculation cache of the whole batch is one table on the device
         self.table = (SpeculationTable(self.K, self.model.lm_head.shape[0], device)
                       if self.use_ops else None)
@@ -221,6 +223,16 @@ class DraftWorker:
     # ----------------------------------------------------------------- protocol
     def ping(self) -> int:
         return os.getpid()
+
+    def connect_channel(self, address: tuple[str, int], backend: str, timeout_s: float) -> None:
+        """Become rank 1 of a TensorChannel (vllm_saguaro/transport.py) with the target,
+        which constructs rank 0 meanwhile: from now on each round's q crosses over it, and
+        the reply says only how many of its rows belong to each sequence."""
+        from vllm_saguaro.transport import TensorChannel
+
+        device = self.device if backend == "nccl" else "cpu"  # gloo: host tensors
+        self.channel = TensorChannel(tuple(address), 1, backend, timeout_s, device=device)
+        self._sending = []
 
     def get_stats(self) -> dict:
         """The cumulative counters, and what the worker holds now (held())."""
@@ -279,9 +291,10 @@ class DraftWorker:
             self._limit = self._idle_limit(len(updates))
             results = self._step(updates, finished)
             self._note_models()
+            self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
+            results = self._send_q(results)
         done = time.perf_counter()
         # hit and miss rounds' waits are the proposer's to split (vllm_glue/metrics.py)
-        self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
         return results, wait, done - t0 - wait, self._limit
 
     def _inject_fault(self) -> None:
@@ -553,8 +566,25 @@ class DraftWorker:
 
     def _wire_q(self, probs: torch.Tensor | None):
         """q over the draft head's tokens as uint16 counts; the target places them in the
-        vocabulary by head_ids()."""
-        return None if probs is None else wire_counts(probs)
+        vocabulary by head_ids(). For the channel: the same counts as int16 bit patterns,
+        a tensor on the draft's device."""
+        if probs is None:
+            return None
+        if self.channel is not None:
+            return counts_int16(probs)
+        return wire_counts(probs)
+
+    def _send_q(self, results: list[Result]) -> list[Result]:
+        """With a channel: every row's q in one tensor over it (sent before the reply, so
+        the target receives it as soon as the reply is in); each row's q in the reply
+        becomes the number of its rows there."""
+        if self.channel is None:
+            return results
+        self.channel.wait(self._sending)  # the last round's: long received
+        qs = [q for _, _, q in results if q is not None]
+        self._sending = self.channel.send([torch.cat(qs)]) if qs else []
+        self.stats.channel_sends += bool(qs)
+        return [(tokens, flag, None if q is None else q.shape[0]) for tokens, flag, q in results]
 
     def head_ids(self) -> list[int] | None:
         """The vocabulary ids of the draft head's tokens (None: the whole vocabulary)."""

@@ -23,7 +23,7 @@ from vllm_saguaro.core.outcome import is_consistent
 from vllm_saguaro.core.placement import process_threads
 from vllm_saguaro.core.sampling import SamplingSpec, unpack_counts
 from vllm_saguaro.draft.model import check_draft_vocabulary
-from vllm_saguaro.core.supervision import RestartPolicy
+from vllm_saguaro.core.supervision import RestartPolicy, describe
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
 from vllm_saguaro.vllm_glue.supervisor import DraftSupervisor, DraftUnavailable
 
@@ -46,6 +46,17 @@ IDLE_RECHECK_S = 30.0
 # A probe of plain decoding on the lent cores (the draft worker's IdleAdvice): this many
 # idle rounds, enough clean steps for the controller's measurement of them.
 PROBE_ROUNDS = 8
+
+
+def channel_backend(cfg: SaguaroConfig, target_device) -> str | None:
+    """The TensorChannel's backend for q, or None for Ray's reply (config 'transport')."""
+    transport = cfg.transport
+    on_gpu = cfg.draft_device.startswith("cuda")
+    if transport == "auto":
+        transport = "channel" if on_gpu else "ray"
+    if transport == "ray":
+        return None
+    return "nccl" if on_gpu and str(target_device).startswith("cuda") else "gloo"
 
 
 def payload_bytes(updates: list, results: list) -> int:
@@ -121,6 +132,8 @@ class SaguaroProposer:
         # requests finished or preempted that the draft worker has not been told of yet
         self._gone: set[str] = set()
         self.lending = None  # CoreLending: the draft's cores for the target while it idles
+        self.channel = None  # TensorChannel for q (transport 'channel'), rank 0
+        self.channel_backend = channel_backend(self.cfg, self.target_device)
 
     # vLLM calls this once the target is loaded; the draft starts then, on its own device.
     def load_model(self, target_model=None) -> None:
@@ -160,6 +173,7 @@ class SaguaroProposer:
             lambda incarnation: make_ray_worker(worker_config, self.vocab_size, incarnation),
             policy, on_event=self.metrics.record_draft_event)
         self.supervisor.start()  # surface load errors (bad checkpoint, vocab) now
+        self._connect_channel()
         head = ray.get(self.actor.head_ids.remote())  # where q's columns go in the vocabulary
         self.head_ids = None if head is None else torch.tensor(head, dtype=torch.long)
         weakref.finalize(self, self.supervisor.shutdown)
@@ -218,6 +232,10 @@ class SaguaroProposer:
             self.mirror.clear()
             self.pending = None
             finished = set()
+            try:
+                self._connect_channel()
+            except DraftUnavailable:
+                return self._plain_round(len(req_ids), decoding)
         for rid in finished:
             self.mirror.pop(rid, None)
         updates, rows = [], []
@@ -244,6 +262,7 @@ class SaguaroProposer:
             results, waited, computed, limit = self.supervisor.get(self.actor.step.remote(
                 updates, sorted(finished), self.target_steps, k_cap), "step", prefill) \
                 if (updates or finished) else ([], 0.0, 0.0, None)
+            results = self._receive_q(results)
         except DraftUnavailable:  # this round decodes plainly; nothing unverified is kept
             self.mirror.clear()
             self.pending = None
@@ -330,6 +349,46 @@ class SaguaroProposer:
         if self.lending is not None:
             self.lending.give_back()  # before the draft runs again on its cores
         return False
+
+    def _connect_channel(self) -> None:
+        """transport 'channel': a new TensorChannel with the worker now up (the first, or
+        one restarted after a failure); the worker constructs its end meanwhile."""
+        if self.channel_backend is None:
+            return
+        from vllm_saguaro.transport import TensorChannel, free_address
+
+        self.channel = None
+        address = free_address()
+        timeout = self.cfg.supervision.timeout_s
+        ref = self.actor.connect_channel.remote(address, self.channel_backend, timeout)
+        device = self.target_device if self.channel_backend == "nccl" else "cpu"
+        try:
+            channel = TensorChannel(address, 0, self.channel_backend, timeout, device=device)
+        except Exception as error:
+            self.supervisor.failed(f"channel: {describe(error)}")
+            raise DraftUnavailable(self.supervisor.last_cause) from error
+        self.supervisor.get(ref, "channel")
+        self.channel = channel
+
+    def _receive_q(self, results: list) -> list:
+        """transport 'channel': the reply says how many q rows each sequence has; they
+        arrive as one tensor over the channel (already sent when the reply came)."""
+        n = sum(q for _, _, q in results if q is not None)
+        if self.channel is None or not n:
+            return results
+        head = self.vocab_size if self.head_ids is None else len(self.head_ids)
+        try:
+            (counts,) = self.channel.recv([((n, head), "torch.int16")])
+        except Exception as error:  # the worker died after replying: a failure as any
+            self.channel = None
+            self.supervisor.failed(f"channel: {describe(error)}")
+            raise DraftUnavailable(self.supervisor.last_cause) from error
+        out, at = [], 0
+        for tokens, flag, q in results:
+            if q is not None:
+                q, at = counts[at: at + q], at + q
+            out.append((tokens, flag, q))
+        return out
 
     def _draft_probs(self, num_rows: int, rows, results) -> torch.Tensor | None:
         if all(q is None for _, _, q in results):
