@@ -373,8 +373,10 @@ class SaguaroProposer:
     def _receive_q(self, results: list) -> list:
         """transport 'channel': the reply says how many q rows each sequence has; they
         arrive as one tensor over the channel (already sent when the reply came)."""
+        if self.channel is None:  # Ray's reply: q came in it, as uint16 arrays
+            return results
         n = sum(q for _, _, q in results if q is not None)
-        if self.channel is None or not n:
+        if not n:
             return results
         head = self.vocab_size if self.head_ids is None else len(self.head_ids)
         try:
