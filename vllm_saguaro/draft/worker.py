@@ -84,7 +84,7 @@ class SeqState:
     sampling: SamplingSpec = SamplingSpec()
     kv_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the pool
     spec: list[int] | None = None           # speculation sent, awaiting its outcome
-    cache: SpeculationCache | None = None   # outcomes pre-speculated for that speculation
+    cache: SpeculationCache | TableView | None = None  # outcomes pre-speculated for it
     roots: frozenset | None = None          # the outcomes being pre-speculated (after fork)
     source: str = "neural"                  # who drafted spec: "hit" (the cache), "neural",
                                             # "fast"; "plain" = nothing sent
