@@ -40,12 +40,9 @@ class _Sender:
         self.channel = TensorChannel(tuple(address), 1, timeout_s=60)
 
     def send_channel(self, rows: int):
-        import torch
+        from vllm_saguaro.core.sampling import counts_int16
 
-        from vllm_saguaro.core.sampling import Q_SCALE
-
-        counts = torch.round(self.head_q[: rows * K] * Q_SCALE).to(torch.int32)
-        t = counts.to(torch.int16).view(rows, K, HEAD)
+        t = counts_int16(self.head_q[: rows * K])  # as the worker's _send_q: one tensor
         self._works = self.channel.send([t])  # kept until the next call
         return self.channel.describe([t])
 
@@ -70,23 +67,20 @@ def measure(actor, fmt: str, rows: int, rounds: int, channel=None) -> dict:
     import ray
     import torch
 
-    from vllm_saguaro.core.sampling import Q_SCALE, unpack_counts
+    from vllm_saguaro.core.sampling import unpack_counts
 
     head_ids = torch.arange(HEAD)
     trips, unpacks, nbytes = [], [], 0
     for _ in range(rounds + 2):
         t0 = time.perf_counter()
-        if fmt == "uint16-head-channel":
+        if fmt == "uint16-head-channel":  # split per row, as the proposer's _receive_q
             (counts,) = channel.recv(ray.get(actor.send_channel.remote(rows)))
-            qs = [counts]
+            qs = [counts[r * K:(r + 1) * K] for r in range(rows)]
         else:
             qs = ray.get(actor.send.remote(fmt, rows))
         t1 = time.perf_counter()
         probs = torch.zeros(rows, K, VOCAB)
-        if fmt == "uint16-head-channel":  # one scatter of the widened counts
-            q = (counts.to(torch.int32) & 0xFFFF).float().view(-1, HEAD) / Q_SCALE
-            probs.view(-1, VOCAB).scatter_(1, head_ids.expand(q.shape[0], HEAD), q)
-        elif fmt == "float32-vocab":
+        if fmt == "float32-vocab":
             for r, q in enumerate(qs):
                 probs[r].numpy()[...] = q
         else:  # as vllm_glue/proposer.py does

@@ -90,7 +90,3 @@ class TensorChannel:
     def wait(works: list) -> None:
         for work, _ in works:
             work.wait()
-
-    def close(self) -> None:
-        self.group = None
-        self.store = None

@@ -130,8 +130,9 @@ def from_wire(counts) -> torch.Tensor:
 
 
 def unpack_counts(counts: list, head_ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
-    """Rows of uint16 counts [K_i, head] (or counts_int16's tensors) -> the exact q [rows, max K_i, vocab] float32 the
-    verifier needs, zero outside the head: one scatter for the whole batch."""
+    """Rows of uint16 counts [K_i, head] (or counts_int16's tensors) -> the exact q
+    [rows, max K_i, vocab] float32 the verifier needs, zero outside the head: one scatter
+    for the whole batch."""
     k = max(c.shape[0] for c in counts)
     head = counts[0].shape[1]
     dense = torch.zeros(len(counts), k, head)

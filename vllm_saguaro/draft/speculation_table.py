@@ -98,25 +98,30 @@ class SpeculationTable:
         n = len(branches)
         self._reserve(n)
         rows = slice(self.size, self.size + n)
+        # built on the host, then one copy per buffer (not one per branch and field)
+        tokens = torch.zeros(n, self.K, dtype=torch.long)
+        conf = torch.full((n, self.K), float("nan"))
+        for j, spec in enumerate(specs):
+            m = len(spec.tokens)
+            tokens[j, :m] = torch.tensor(spec.tokens, dtype=torch.long)
+            if spec.confidence is not None:
+                conf[j, :m] = torch.tensor([float("nan") if c is None else c
+                                            for c in spec.confidence])
         self.keys[rows] = torch.tensor([(slot, o.k, o.bonus) for o in branches],
                                        dtype=torch.long).view(n, 3).to(self.device)
+        self.tokens[rows] = tokens.to(self.device)
+        self.confidence[rows] = conf.to(self.device)
+        self.lengths[rows] = torch.tensor([len(s.tokens) for s in specs],
+                                          dtype=torch.long).to(self.device)
+        self.sampled[rows] = torch.tensor([s.probs is not None for s in specs],
+                                          dtype=torch.bool).to(self.device)
         for r, spec in zip(range(self.size, self.size + n), specs):
-            m = len(spec.tokens)
-            self.lengths[r] = m
-            self.tokens[r, :m] = torch.tensor(spec.tokens, dtype=torch.long)
-            if spec.confidence is not None:
-                self.confidence[r, :m] = torch.tensor(
-                    [float("nan") if c is None else c for c in spec.confidence])
-            self.sampled[r] = spec.probs is not None
-            if spec.probs is not None:
+            if spec.probs is not None:  # q is on the draft's device already
                 if self.q is None:
                     self.q = torch.zeros(self.capacity, self.K, self.head, dtype=torch.int16,
                                          device=self.device)
-                self.q[r, :m] = counts_int16(spec.probs.to(self.device))
+                self.q[r, :len(spec.tokens)] = counts_int16(spec.probs.to(self.device))
         self.size += n
-
-    def holds(self, rid: str) -> bool:
-        return rid in self.slots
 
     def lookup(self, queries: list[tuple[str, Outcome]]) -> list[Speculation | None]:
         """Each (sequence, verified outcome) -> its cached speculation, or None (a miss),
