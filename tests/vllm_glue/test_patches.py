@@ -379,3 +379,36 @@ def test_logit_bias_and_min_p_allowed_only_with_saguaro():
         p._validate_spec_decode(None)
         with pytest.raises(Exception, match="not yet supported"):
             p._validate_spec_decode(other)
+
+
+AMX_CHECK = r"""
+import ctypes, sys
+import vllm_saguaro.plugin
+vllm_saguaro.plugin.register()
+from vllm.v1.worker.cpu_worker import CPUWorker
+
+def granted():  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 is XTILEDATA, AMX's tile state
+    mask = ctypes.c_uint64(0)
+    assert ctypes.CDLL(None).syscall(158, 0x1022, ctypes.byref(mask)) == 0
+    return bool(mask.value >> 18 & 1)
+
+before = granted()
+try:
+    CPUWorker.init_device(object())  # the patch asks first; vLLM's own start then fails here
+except AttributeError:
+    pass
+print(before, granted())
+"""
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX")
+def test_cpu_worker_asks_for_amx_before_vllm_uses_it():
+    """A fresh process (pytest's own may have asked already): no AMX permission at start,
+    granted once the CPU worker's device starts, before vLLM's AMX attention can run."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", AMX_CHECK], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-2:] == ["False", "True"], out.stdout

@@ -605,6 +605,38 @@ def patch_cpu_kv_reserve() -> None:
     CPUWorker.determine_available_memory = determine_available_memory
 
 
+def request_amx_permission() -> bool:
+    """Ask Linux for the AMX tile state this process needs (granted process-wide); True if
+    it is now granted. False without AMX (nothing to ask)."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() and torch._C._cpu._init_amx())
+
+
+def patch_cpu_amx_permission() -> None:
+    """Why: vLLM's CPU attention picks its AMX kernel wherever the CPU has AMX
+    (cpu_attn._get_attn_isa), but never asks Linux for the AMX state (arch_prctl
+    ARCH_REQ_XCOMP_PERM); only oneDNN's matmuls ask, and only when they choose AMX
+    themselves. A worker whose first AMX instruction is the attention's dies of SIGILL
+    (seen: a multiprocess engine on a small bf16 model, plain vLLM too, 'Worker proc
+    VllmWorker-0 died unexpectedly (exit code: -4)'; an in-process engine lived only
+    because the user's process had asked earlier). The worker asks as its device starts.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not _once("cpu_amx_permission"):
+        return
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    original = CPUWorker.init_device
+
+    def init_device(self):
+        request_amx_permission()
+        return original(self)
+
+    CPUWorker.init_device = init_device
+
+
 def patch_forward_timer() -> None:
     """Why: the draft must not slow the target's forward (on CPU the two share a memory
     bus); the benchmark compares the target's forward time at each width (tokens per
@@ -658,6 +690,7 @@ def apply_all() -> None:
     patch_cpu_seeded_chunked_prefill()
     patch_omp_binding()
     patch_cpu_kv_reserve()
+    patch_cpu_amx_permission()
     patch_forward_timer()
     patch_worker_rpc()
 
