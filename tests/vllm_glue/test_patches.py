@@ -382,7 +382,7 @@ def test_logit_bias_and_min_p_allowed_only_with_saguaro():
 
 
 AMX_CHECK = r"""
-import ctypes, sys
+import ctypes
 import vllm_saguaro.plugin
 vllm_saguaro.plugin.register()
 from vllm.v1.worker.cpu_worker import CPUWorker
