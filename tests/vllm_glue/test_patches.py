@@ -176,33 +176,73 @@ def test_omp_binding_takes_the_draft_cores_out_of_vllms_auto_lists(tiny_draft, m
         assert os.environ["KMP_AFFINITY"].endswith(f"proclist=[{','.join(map(str, target + [1]))}]")
 
 
-def test_lent_gemms_get_a_row_stride_of_their_own():
-    """patch_lent_gemms: while lent, every linear layer's input reaches vLLM's GEMM with a
-    padded row stride (a oneDNN primitive key made for the lent team) and the same values;
-    unlent, the very tensor passes through."""
+def test_lent_gemms_get_onednn_keys_of_their_own(monkeypatch):
+    """patch_lent_gemms on layers vLLM itself dispatched: while lent, a oneDNN layer
+    without a bias gets a zero bias (its input untouched), a layer with one a padded row
+    stride (the same values); unlent, the very tensors pass through. Results equal bit
+    for bit."""
     from types import SimpleNamespace
 
-    from vllm_saguaro.vllm_glue.lending import LENT_ROW_PAD
+    from vllm import _custom_ops as ops
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    from vllm_saguaro.vllm_glue.lending import LENT_ROW_PAD, onednn_handler
+
+    if not getattr(ops, "_supports_onednn", False):
+        pytest.skip("this vLLM build has no oneDNN matmul")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96, bias=False),
+                                torch.nn.Linear(96, 80, bias=True), torch.nn.ReLU())
+    for layer in model[:2]:
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+        assert onednn_handler(layer.cpu_linear) is not None
+    seen = []
+    real = ops.onednn_mm
+
+    def spy(handler, x, bias):
+        seen.append((x, bias))
+        return real(handler, x, bias)
+
+    monkeypatch.setattr(ops, "onednn_mm", spy)
+    lending = SimpleNamespace(lent=False)
+    assert patches.patch_lent_gemms(model, lending) == 2
+    x = torch.randn(5, 64)
+    plain = model[0].cpu_linear(x, model[0].weight, None)
+    assert seen[-1][0] is x and seen[-1][1] is None
+    h = torch.randn(5, 96)
+    plain_b = model[1].cpu_linear(h, model[1].weight, model[1].bias)
+    assert seen[-1][0] is h
+    lending.lent = True
+    lent = model[0].cpu_linear(x, model[0].weight, None)
+    x_in, bias_in = seen[-1]
+    assert x_in is x and bias_in.shape == (96,) and not bias_in.any()
+    lent_b = model[1].cpu_linear(h, model[1].weight, model[1].bias)
+    assert seen[-1][0].stride() == (96 + LENT_ROW_PAD, 1) and torch.equal(seen[-1][0], h)
+    assert torch.equal(lent, plain) and torch.equal(lent_b, plain_b)
+
+
+def test_lent_gemms_leave_other_gemms_a_strided_input():
+    """A cpu_linear that is no oneDNN handler's (sgl-kernel, torch's linear) gets the
+    padded row stride while lent, whatever its bias."""
+    from types import SimpleNamespace
+
+    from vllm_saguaro.vllm_glue.lending import LENT_ROW_PAD, onednn_handler
 
     seen = []
 
     def gemm(x, weight, bias):
-        seen.append(x)
+        seen.append((x, bias))
         return x @ weight.t()
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2), torch.nn.ReLU())
-    for layer in model[:2]:
-        layer.cpu_linear = gemm
-    lending = SimpleNamespace(lent=False)
-    assert patches.patch_lent_gemms(model, lending) == 2
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False))
+    model[0].cpu_linear = gemm
+    assert onednn_handler(gemm) is None
+    lending = SimpleNamespace(lent=True)
+    assert patches.patch_lent_gemms(model, lending) == 1
     x = torch.randn(5, 8)
-    w = model[0].weight.detach()
-    out = model[0].cpu_linear(x, w, None)
-    assert seen[-1] is x
-    lending.lent = True
-    lent = model[0].cpu_linear(x, w, None)
-    assert seen[-1].stride() == (8 + LENT_ROW_PAD, 1) and torch.equal(seen[-1], x)
-    torch.testing.assert_close(lent, out)
+    out = model[0].cpu_linear(x, model[0].weight.detach(), None)
+    assert seen[-1][0].stride() == (8 + LENT_ROW_PAD, 1) and seen[-1][1] is None
+    torch.testing.assert_close(out, x @ model[0].weight.detach().t())
 
 
 def test_lent_input_is_a_new_onednn_key_with_the_same_result():

@@ -12,12 +12,14 @@ target's cores and then the draft's, and a team the size of the target's
 worker stubs the torch.set_num_threads wrapper) puts the new threads on the draft's cores.
 The threads stay when the team shrinks (OpenMP parks them) and come back on the next loan.
 vLLM's oneDNN matmuls keep the team size they were created with, so while lent the
-target's linear layers take their input with a row stride of their own
-(patches.patch_lent_gemms, `lent_input`): primitives made for the lent team.
+target's linear layers run under oneDNN keys of their own, a zero bias (`lent_bias`) or
+a padded row stride (`lent_input`): primitives made for the lent team
+(patches.patch_lent_gemms).
 """
 from __future__ import annotations
 
 import os
+from functools import lru_cache
 
 import torch
 
@@ -33,6 +35,25 @@ def lent_input(x: torch.Tensor) -> torch.Tensor:
     padded = torch.empty((rows, cols + LENT_ROW_PAD), dtype=x.dtype, device=x.device)
     padded[:, :cols].copy_(x)
     return padded[:, :cols]
+
+
+@lru_cache(maxsize=None)
+def lent_bias(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero bias of n outputs: adding it changes no value, and a bias is part of vLLM's
+    oneDNN primitive key, so a layer without one gets primitives of its own while lent.
+    One tensor per width and dtype, never written."""
+    return torch.zeros(n, dtype=dtype)
+
+
+def onednn_handler(cpu_linear):
+    """The oneDNN matmul handler (vLLM's CPUDNNLGEMMHandler) a layer's cpu_linear closes
+    over (layers/utils.py dispatch_cpu_unquantized_gemm makes it a lambda over it), or
+    None for the other GEMMs (sgl-kernel, torch's linear)."""
+    for cell in getattr(cpu_linear, "__closure__", None) or ():
+        contents = cell.cell_contents
+        if type(contents).__name__ == "CPUDNNLGEMMHandler" and hasattr(contents, "n"):
+            return contents
+    return None
 
 
 def lending_binding(draft_cores: list[int]) -> bool:
