@@ -2,6 +2,8 @@
 batch size running, rounds are answered without the draft (plain decoding)."""
 import time
 
+import pytest
+
 from vllm_saguaro.vllm_glue import proposer as mod
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
 
@@ -67,6 +69,92 @@ def test_gone_requests_are_kept_until_sent_and_released_when_the_batch_empties()
     assert p.supervisor.released == [["a", "b"]] and p.mirror == {} and p._gone == set()
     assert held["live_seqs"] == 0 and p.metrics.draft_held["kv_blocks_used"] == 0
     assert p.release() == {} and len(p.supervisor.released) == 1  # nothing new: no call
+
+
+class _Lending:
+    def __init__(self):
+        self.lent = False
+
+    def lend(self):
+        self.lent = True
+
+    def give_back(self):
+        self.lent = False
+
+
+def test_an_empty_batch_lends_the_cores_and_the_drafts_next_call_takes_them_back():
+    """The prefills of the next batch run on the draft's cores too (the draft has no part
+    in them); the first round that calls the draft gives them back before the call."""
+    import pytest
+    import torch
+    from types import SimpleNamespace
+
+    p = idle_proposer(None)
+    p.supervisor = _Supervisor()
+    p.supervisor.available = lambda: True
+    p.supervisor.resync = False
+    p.cfg = SimpleNamespace(draft_sampling="target", async_=True)
+    p.channel = None
+    p.lending = _Lending()
+    p.note_gone({"a"})
+    p.release()
+    assert p.supervisor.released == [["a"]] and p.lending.lent
+    p.lending.give_back()
+    p.release()  # nothing gone, no call: still an empty batch
+    assert p.lending.lent and len(p.supervisor.released) == 1
+    # a prefill-only step keeps them: nothing for the draft to do
+    drafts, _ = p.propose_round(["b"], [3], torch.tensor([[1, 2, 3]]), [[]], set(), None)
+    assert drafts == [[]] and p.lending.lent
+
+    class Called(Exception):
+        pass
+
+    seen = []
+
+    class Step:
+        @staticmethod
+        def remote(*args):
+            seen.append(p.lending.lent)
+            raise Called
+
+    p.supervisor.actor.step = Step
+    with pytest.raises(Called):
+        p.propose_round(["b"], [4], torch.tensor([[1, 2, 3, 4]]), [[4]], set(), None)
+    assert seen == [False]
+
+
+def test_a_batch_arriving_keeps_the_draft_out_and_the_cores_lent():
+    """Requests joined and the draft holds none of the batch: the round is plain and the
+    next step's prefills get the draft's cores. Once the draft holds a request of the
+    batch, one joining does not stop speculation."""
+    import torch
+
+    p = idle_proposer(None)  # the draft is not idling: without the rule it would be called
+    p.lending = _Lending()
+    drafts, _ = p.propose_round(["a"], [3], torch.tensor([[1, 2, 3]]), [[3]], set(), None)
+    assert drafts == [[]] and p.lending.lent and p.metrics.idle_rounds == 1
+    drafts, _ = p.propose_round(["a", "b"], [4, 3], torch.tensor([[1, 2, 3, 4], [1, 2, 3, 0]]),
+                                [[4], [3]], {"x"}, None)
+    assert drafts == [[], []] and p._gone == {"x"} and p.metrics.idle_rounds == 2
+    p.mirror = {"a": object()}
+    with pytest.raises(AssertionError, match="the draft was called"):
+        p.propose_round(["a", "b", "c"], [5, 4, 3], torch.zeros(3, 5, dtype=torch.long),
+                        [[5], [4], [3]], set(), None)
+
+
+def test_an_empty_batch_leaves_the_cores_to_a_running_prespeculation(monkeypatch):
+    import ray
+
+    p = idle_proposer(None)
+    p.supervisor = _Supervisor()
+    p.lending = _Lending()
+    p.pending = object()
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([], refs))
+    p.release()
+    assert not p.lending.lent
+    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
+    p.release()
+    assert p.lending.lent
 
 
 def test_idle_ends_when_the_batch_shrinks_or_after_a_while(monkeypatch):
