@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, choose_lengths,
+from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit, choose_lengths,
                                           expected_tokens)
 
 
@@ -164,3 +164,19 @@ def test_fixed_miss_with_a_weak_fast_backup_is_never_cut():
         assert plan.lengths == [3]
     assert choose_lengths([miss], linear(0.05, 0.001), lambda rows: 0.0001).neural == [True]
     assert choose_lengths([miss], linear(0.05, 0.001), lambda rows: 1.0).neural == [False]
+
+
+def test_realized_rate_is_known_after_enough_rounds_and_forgotten_after_ttl():
+    r = RealizedRate(min_rounds=3, ttl_s=10.0, alpha=0.5)
+    for i in range(2):
+        r.observe(4, tokens=8, seconds=1.0, now=float(i))
+    assert r.rate(4, 2.0) is None  # two rounds: not yet
+    r.observe(4, tokens=4, seconds=1.0, now=2.0)
+    assert r.rate(4, 2.0) == pytest.approx(6.0)  # 8, 8, then halfway to 4
+    assert r.rate(1, 2.0) is None  # another batch size: never measured
+    assert r.rate(4, 12.5) is None  # ttl passed: speculation is to be tried again
+    for i in range(3):  # measured anew from scratch, the old average forgotten
+        r.observe(4, tokens=2, seconds=1.0, now=20.0 + i)
+    assert r.rate(4, 22.0) == pytest.approx(2.0)
+    r.observe(4, tokens=9, seconds=0.0, now=22.0)  # no time: ignored
+    assert r.rate(4, 22.0) == pytest.approx(2.0)

@@ -1,4 +1,6 @@
 """The draft worker against transformers: forward, fallback drafts and tree-decoded branches."""
+import time
+
 import pytest
 import torch
 from transformers import LlamaForCausalLM
@@ -422,6 +424,44 @@ def test_speculation_must_beat_plain_decoding_on_the_lent_cores(tiny_target, hf)
     pinned.prespeculate()
     (spec, _, _), = step(pinned, [("a", bonus, None, None)], [], CHEAP + lent)
     assert len(spec) == 3  # no lending: the lent measurements are not its alternative
+
+
+def test_what_speculation_gave_overrules_the_model_when_lower(tiny_target, hf):
+    """The model expects speculation to beat plain decoding (tokens ~free to verify), but
+    the rounds measured at this batch size gave less than plain decoding does: the draft
+    idles (and the proposer lends its cores)."""
+    w = worker(tiny_target, controller={"policy": "auto", "lend_cores": False})
+    p = [5, 17, 99, 3, 250, 7]
+    step(w, [("a", None, p, None)], [], CHEAP)
+    w.prespeculate()
+    bonus = hf_greedy(hf, p, 1)
+    results, _, _, idle = w.step([("a", bonus, None, None)], [], CHEAP)
+    assert idle is None and len(results[0][0]) > 0  # the model: speculation pays
+    for _ in range(w.realized.min_rounds):  # 1 token a second, plain decoding gives 20
+        w.realized.observe(1, tokens=1, seconds=1.0, now=time.perf_counter())
+    w._last_call = None  # this test's own (instant) rounds stay out of the measurement
+    w.prespeculate()
+    bonus = hf_greedy(hf, p + bonus + results[0][0], 1)
+    results, _, _, idle = w.step([("a", bonus, None, None)], [], CHEAP)
+    assert idle is not None and idle.limit == 0 and results[0][0] == []
+
+
+def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
+    """_observe_round: a continuing round after a speculating call at the same batch size
+    is measured; after an idle advice, a change of batch, or with a (re)synced sequence
+    it is not."""
+    w = worker(tiny_target, controller={"policy": "auto"})
+    now = time.perf_counter()
+    w._last_call = (now - 0.5, 2, True)
+    w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
+    assert w.realized._seen[2][:2] == (pytest.approx(6.0), 1)  # 3 tokens in 0.5 s
+    for last, updates in [((now - 0.5, 2, False), [("a", [1], None, None)] * 2),
+                          ((now - 0.5, 3, True), [("a", [1], None, None)] * 2),
+                          ((now - 0.5, 2, True), [("a", [1], None, None),
+                                                  ("b", None, [1, 2, 3], None)])]:
+        w._last_call = last
+        w._observe_round(updates, now)
+    assert w.realized._seen[2][1] == 1 and set(w.realized._seen) == {2}
 
 
 def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):

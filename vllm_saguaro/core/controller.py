@@ -154,6 +154,44 @@ def speculation_pays(cands: list[Candidate], target_s: Callable[[int], float],
     return sum(plan.lengths) > 0 and beats_plain(plan, len(cands), plain_s)
 
 
+class RealizedRate:
+    """The tokens per second speculation actually gave at each batch size, measured round
+    to round (the whole round: the target's step, the wait for the draft, transport, and
+    the rows the controller sent nothing for), an exponential average.
+
+    Why: the idle decision compares speculation with plain decoding, and theory.py's rate
+    sees only what its model holds. Measured before: at batch 1 it said 1.74x of the
+    target on one core while speculation gave 1.22x, below plain decoding on the lent
+    cores (1.40x), so the draft kept speculating at 0.87x of plain vLLM on two cores. The
+    decision takes the lower of the two where this one is known: after `min_rounds`
+    rounds at that batch size, and for `ttl_s` after the last (then speculation is tried
+    again, since acceptance moves with the text).
+    """
+
+    def __init__(self, min_rounds: int = 8, ttl_s: float = 120.0, alpha: float = 0.2):
+        self.min_rounds, self.ttl_s, self.alpha = min_rounds, ttl_s, alpha
+        self._seen: dict[int, tuple[float, int, float]] = {}  # batch -> (rate, rounds, at)
+
+    def observe(self, batch: int, tokens: int, seconds: float, now: float) -> None:
+        """A round at this batch size gave `tokens` in `seconds` (start to start)."""
+        if seconds <= 0:
+            return
+        rate, rounds, at = self._seen.get(batch, (0.0, 0, now))
+        if rounds and now - at > self.ttl_s:
+            rounds = 0
+        x = tokens / seconds
+        rate = x if not rounds else (1 - self.alpha) * rate + self.alpha * x
+        self._seen[batch] = (rate, rounds + 1, now)
+
+    def rate(self, batch: int, now: float) -> float | None:
+        """The measured rate at this batch size, or None while not known (too few rounds,
+        or none for ttl_s)."""
+        rate, rounds, at = self._seen.get(batch, (0.0, 0, now))
+        if rounds < self.min_rounds or now - at > self.ttl_s:
+            return None
+        return rate
+
+
 class StepCost:
     """A step's time as a function of its width, t(w) = fixed + per_token * w, learned online.
 

@@ -21,8 +21,8 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
-from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beats_plain,
-                                          choose_lengths, speculation_pays)
+from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
+                                          beats_plain, choose_lengths, speculation_pays)
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
@@ -179,6 +179,8 @@ class DraftWorker:
                                         and cfg.draft_device == "cpu") else None
         self.lent_widths: set[int] = set()
         self._probed: set[int] = set()  # batch sizes idled once to measure the lent cores
+        self.realized = RealizedRate()  # what speculation gave, round to round
+        self._last_call: tuple[float, int, bool] | None = None  # (when, batch, speculated)
         self.fast_acceptance = AcceptanceFit(0.2)
         self.hit_rate = 0.5  # of lookups, an exponential average (the idle decision's p_hit)
         self._cap = self.K        # the most tokens a sequence may send this step
@@ -288,7 +290,9 @@ class DraftWorker:
                     self.lent_cost.observe(width, seconds)
                     self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
+            self._observe_round(updates, t0)
             self._limit = self._idle_limit(len(updates))
+            self._last_call = (t0, len(updates), self._limit is None)
             results = self._step(updates, finished)
             self._note_models()
             self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
@@ -498,6 +502,17 @@ class DraftWorker:
             return True
         return beats_plain(plan, batch, self._plain_s())
 
+    def _observe_round(self, updates: list[Update], now: float) -> None:
+        """The last round's realized rate (RealizedRate): the tokens this call commits over
+        the time since the last call, when that call speculated at the same batch size
+        and every sequence continues (no new or resynced one: a prefill round)."""
+        last = self._last_call
+        if (last is None or not last[2] or last[1] != len(updates)
+                or any(full is not None or not sampled for _, sampled, full, _ in updates)):
+            return
+        self.realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates),
+                              now - last[0], now)
+
     def _idle_limit(self, batch: int) -> IdleAdvice | None:
         """If speculation's expected rate (core/theory.py with the fitted a_p, the hit
         rate, the measured costs; the best K up to the cap) does not beat plain decoding
@@ -513,7 +528,14 @@ class DraftWorker:
                 or not self.target_cost.known or not batch):
             return None
         plain = self._plain_s() or self.target_cost.predict
-        limit = batch_limit(self._expected_rate, plain, max_batch=batch)
+        now = time.perf_counter()
+
+        def rate(b: int) -> float:  # the model's, or what speculation gave if lower
+            seen = self.realized.rate(b, now)
+            expected = self._expected_rate(b)
+            return expected if seen is None else min(expected, seen)
+
+        limit = batch_limit(rate, plain, max_batch=batch)
         if limit < batch:
             return IdleAdvice(limit, probe=False)
         if self.lent_cost is not None and batch not in self.lent_widths | self._probed:
