@@ -359,10 +359,10 @@ class SaguaroProposer:
         the batch's yet, so sitting out loses it no speculation in flight) is one the
         draft sits out when it can lend its cores: more prefills are likely to follow
         (the frontend adds a batch's requests over a few steps), and they are most of the
-        next step. Measured
-        before: the draft woke for the first request of each benchmark batch, and the
-        other 15 prompts' prefill (1342 tokens) took 4.2 s on the target's core alone,
-        1.98-2.85 s on both. A lone request loses one round of speculation."""
+        next step. Measured before: the draft woke for the first request of each
+        benchmark batch, and the other 15 prompts' prefill (1342 tokens) took 4.2 s on
+        the target's core alone, 1.98-2.85 s on both. A lone request loses one round of
+        speculation."""
         if arriving and self._lend_while_quiet():
             self._gone |= finished
             return True
