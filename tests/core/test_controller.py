@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit, choose_lengths,
-                                          expected_tokens)
+from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
+                                          choose_lengths, expected_tokens)
 
 
 def linear(fixed, per_token):

@@ -450,16 +450,19 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     """_observe_round: a continuing round after a speculating call at the same batch size
     is measured; after an idle advice, a change of batch, or with a (re)synced sequence
     it is not."""
+    from vllm_saguaro.draft.worker import IdleAdvice
+
     w = worker(tiny_target, controller={"policy": "auto"})
     now = time.perf_counter()
-    w._last_call = (now - 0.5, 2, True)
+    w._last_call, w._limit = (now - 0.5, 2), None
     w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
     assert w.realized._seen[2][:2] == (pytest.approx(6.0), 1)  # 3 tokens in 0.5 s
-    for last, updates in [((now - 0.5, 2, False), [("a", [1], None, None)] * 2),
-                          ((now - 0.5, 3, True), [("a", [1], None, None)] * 2),
-                          ((now - 0.5, 2, True), [("a", [1], None, None),
-                                                  ("b", None, [1, 2, 3], None)])]:
-        w._last_call = last
+    idle = IdleAdvice(0, probe=False)
+    for last, limit, updates in [((now - 0.5, 2), idle, [("a", [1], None, None)] * 2),
+                                 ((now - 0.5, 3), None, [("a", [1], None, None)] * 2),
+                                 ((now - 0.5, 2), None, [("a", [1], None, None),
+                                                         ("b", None, [1, 2, 3], None)])]:
+        w._last_call, w._limit = last, limit
         w._observe_round(updates, now)
     assert w.realized._seen[2][1] == 1 and set(w.realized._seen) == {2}
 

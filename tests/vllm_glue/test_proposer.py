@@ -85,7 +85,6 @@ class _Lending:
 def test_an_empty_batch_lends_the_cores_and_the_drafts_next_call_takes_them_back():
     """The prefills of the next batch run on the draft's cores too (the draft has no part
     in them); the first round that calls the draft gives them back before the call."""
-    import pytest
     import torch
     from types import SimpleNamespace
 

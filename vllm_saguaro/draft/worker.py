@@ -180,7 +180,7 @@ class DraftWorker:
         self.lent_widths: set[int] = set()
         self._probed: set[int] = set()  # batch sizes idled once to measure the lent cores
         self.realized = RealizedRate()  # what speculation gave, round to round
-        self._last_call: tuple[float, int, bool] | None = None  # (when, batch, speculated)
+        self._last_call: tuple[float, int] | None = None  # (when, batch) of the last step
         self.fast_acceptance = AcceptanceFit(0.2)
         self.hit_rate = 0.5  # of lookups, an exponential average (the idle decision's p_hit)
         self._cap = self.K        # the most tokens a sequence may send this step
@@ -292,7 +292,7 @@ class DraftWorker:
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._observe_round(updates, t0)
             self._limit = self._idle_limit(len(updates))
-            self._last_call = (t0, len(updates), self._limit is None)
+            self._last_call = (t0, len(updates))
             results = self._step(updates, finished)
             self._note_models()
             self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
@@ -505,9 +505,10 @@ class DraftWorker:
     def _observe_round(self, updates: list[Update], now: float) -> None:
         """The last round's realized rate (RealizedRate): the tokens this call commits over
         the time since the last call, when that call speculated at the same batch size
-        and every sequence continues (no new or resynced one: a prefill round)."""
+        and every sequence continues (no new or resynced one: a prefill round). Runs
+        before this call's idle decision: self._limit is still the last call's."""
         last = self._last_call
-        if (last is None or not last[2] or last[1] != len(updates)
+        if (last is None or self._limit is not None or last[1] != len(updates)
                 or any(full is not None or not sampled for _, sampled, full, _ in updates)):
             return
         self.realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates),

@@ -49,10 +49,11 @@ def onednn_handler(cpu_linear):
     """The oneDNN matmul handler (vLLM's CPUDNNLGEMMHandler) a layer's cpu_linear closes
     over (layers/utils.py dispatch_cpu_unquantized_gemm makes it a lambda over it), or
     None for the other GEMMs (sgl-kernel, torch's linear)."""
+    from vllm._custom_ops import CPUDNNLGEMMHandler
+
     for cell in getattr(cpu_linear, "__closure__", None) or ():
-        contents = cell.cell_contents
-        if type(contents).__name__ == "CPUDNNLGEMMHandler" and hasattr(contents, "n"):
-            return contents
+        if isinstance(cell.cell_contents, CPUDNNLGEMMHandler):
+            return cell.cell_contents
     return None
 
 

@@ -319,7 +319,7 @@ class SaguaroProposer:
                 held = self.supervisor.get(self.actor.release.remote(sorted(gone)), "release")
                 self.metrics.record_draft_held(held)
             except DraftUnavailable:
-                held = {}
+                pass  # nothing held to report; the batch is empty all the same
         self._lend_while_quiet()
         return held
 
