@@ -169,6 +169,10 @@ class Settings:
     compile: bool = False
     ld_preload: str | None = None   # LD_PRELOAD of every engine (None: vLLM's own)
     schedule: tuple | None = None   # the SSD-...-sched systems' schedule (None: SCHEDULE)
+    # engine starts per system and block: on this machine one start's decode speed varies
+    # by up to ~20% from the next (the same system, same prompts), so a cell measured on
+    # one start each can swing by that much; with N starts the cell pools all of them
+    starts: int = 1
 
 
 def settings_for(mode: str) -> Settings:
@@ -376,6 +380,34 @@ def run_system(system: System, block: list[Group], prompts: dict[str, list[str]]
         return records
     finally:
         shutdown(llm)
+
+
+def pool_starts(runs: list[dict]) -> list[dict]:
+    """One record per system and group from the records of its engine starts: the
+    requests, spans and counters of all starts together (figures are medians over them),
+    and each start's tok/s total kept as `starts_tok_s` for the spread."""
+    pooled: dict[tuple, dict] = {}
+    for r in runs:
+        key = (r["system"], r["dataset"], r["temperature"], r["batch"])
+        if key not in pooled:
+            pooled[key] = {**r, "starts_tok_s": [r["tok_s_total"]]}
+            continue
+        p = pooled[key]
+        for f in ("per_token_s", "spans_s", "wall_s"):
+            p[f] = p[f] + r[f]
+        p["n_requests"] += r["n_requests"]
+        p["n_chunks"] += r["n_chunks"]
+        p["counters"] = {k: p["counters"].get(k, 0) + r["counters"].get(k, 0)
+                         for k in p["counters"].keys() | r["counters"].keys()}
+        n = len(p["starts_tok_s"])  # forward ms: the mean over starts, width by width
+        p["forward_ms"] = {w: (p["forward_ms"][w] * n + ms) / (n + 1) if w in p["forward_ms"] else ms
+                           for w, ms in r["forward_ms"].items()}
+        p["starts_tok_s"].append(r["tok_s_total"])
+    records = list(pooled.values())
+    for rec in records:
+        if len(rec["starts_tok_s"]) > 1:
+            summarize(rec)
+    return records
 
 
 def progress_line(rec: dict) -> str:
@@ -612,6 +644,7 @@ def markdown(result: dict) -> str:
     lines += profile_table(result["records"])
     lines += lengths_table(result["records"])
     lines += goal_table(result["records"])
+    lines += starts_table(result["records"])
     lines += ["", "threads: the threads that did the work, as `count@cores`, for the target "
               "(T) and the draft worker (D); the run refuses a system whose threads are "
               "elsewhere (benchmarks/README.md).",
@@ -789,6 +822,22 @@ def goal_table(records: list[dict]) -> list[str]:
     return lines
 
 
+def starts_table(records: list[dict]) -> list[str]:
+    """Each engine start's tok/s total, for runs with --starts > 1: how far one start's
+    figure is from the next tells how much a ratio of the table can be trusted."""
+    rows = [r for r in records if len(r.get("starts_tok_s") or []) > 1]
+    if not rows:
+        return []
+    lines = ["", "## Engine starts (tok/s total of each start; the tables above pool them)", "",
+             "| dataset | T | b | system | per start | min / median / max |", "|" + "---|" * 6]
+    for r in rows:
+        v = r["starts_tok_s"]
+        lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {r['system']} "
+                     f"| {', '.join(_f(x, '.1f') for x in v)} "
+                     f"| {_f(min(v), '.1f')} / {_f(statistics.median(v), '.1f')} / {_f(max(v), '.1f')} |")
+    return lines
+
+
 def plots(records: list[dict], out: Path) -> list[str]:
     """speedup per dataset (smallest batch, per temperature) and throughput vs latency."""
     try:
@@ -886,14 +935,19 @@ def run_benchmark(s: Settings, target: str, draft: str, prompts: dict[str, list[
     s.pair = cores
     systems = plan_systems(s)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    records = []
+    runs = []
     groups = blocks(s, list(prompts))
+    rotation = 0
     for bi, block in enumerate(groups):
-        order = systems[bi % len(systems):] + systems[: bi % len(systems)]
-        for si, system in enumerate(order):
-            log(f"block {bi + 1}/{len(groups)} (b={block[0].batch}) system {si + 1}/{len(order)}: "
-                f"{system.name}")
-            records += run_system(system, block, prompts, target, draft, s)
+        for start in range(s.starts):
+            order = systems[rotation % len(systems):] + systems[: rotation % len(systems)]
+            rotation += 1
+            for si, system in enumerate(order):
+                log(f"block {bi + 1}/{len(groups)} (b={block[0].batch})"
+                    + (f" start {start + 1}/{s.starts}" if s.starts > 1 else "")
+                    + f" system {si + 1}/{len(order)}: {system.name}")
+                runs += run_system(system, block, prompts, target, draft, s)
+    records = pool_starts(runs)
     order_key = {x.name: i for i, x in enumerate(systems)}
     records.sort(key=lambda r: (r["dataset"], r["temperature"], r["batch"], order_key[r["system"]]))
     add_theory(records)
@@ -945,6 +999,8 @@ def parse_args(argv=None):
     p.add_argument("--schedule", help="the SSD-K*-fixed-sched systems' vLLM schedule "
                    "num_speculative_tokens_per_batch_size as first-last:K,... (default "
                    "1-2:3,3-4:2,5-8:1,9-1024:0)")
+    p.add_argument("--starts", type=int, help="engine starts per system and block, in rotation "
+                   "(default 1); a cell pools them and reports their spread")
     p.add_argument("--profile", action="store_true",
                    help="print the round profile of every plugin cell at the end (it is always "
                         "in latest.md)")
@@ -1031,6 +1087,10 @@ def apply_overrides(s: Settings, args) -> Settings:
         s.schedule = parse_schedule(args.schedule)
     if args.draft_weights:
         s.draft_weights = args.draft_weights
+    if args.starts is not None:
+        if args.starts < 1:
+            raise SystemExit("--starts must be >= 1")
+        s.starts = args.starts
     if s.max_tokens < 2:
         raise SystemExit("--max-tokens must be >= 2 (decode time is first to last token)")
     return s

@@ -123,6 +123,42 @@ def test_theory_uses_each_sources_acceptance_and_the_backup_actually_used():
     assert "assumes the neural backup" in old["note"]
 
 
+def test_engine_starts_pool_into_one_record_per_cell_with_their_spread():
+    """--starts N: a system's records of one group from N engine starts become one
+    record whose figures are medians over every start's requests and spans (counters
+    summed), with each start's tok/s total kept; other cells stay apart."""
+    from benchmarks.run import markdown, pool_starts, summarize
+
+    def rec(system, batch, spans, accepted):
+        r = {"system": system, "kind": "ar", "k": 0, "cores": 1, "dataset": "d",
+             "temperature": 0.0, "batch": batch, "max_tokens": 11, "n_requests": len(spans),
+             "n_chunks": len(spans), "per_token_s": [s / 10 for s in spans], "spans_s": spans,
+             "wall_s": spans, "placement": {}, "forward_ms": {"1": 10.0 * len(spans)},
+             "counters": {"vllm:spec_decode_num_drafts": 10,
+                          "vllm:spec_decode_num_accepted_tokens": accepted}}
+        summarize(r)
+        return r
+
+    runs = [rec("AR", 1, [1.0], 5), rec("AR", 2, [2.0], 0), rec("AR", 1, [2.0, 4.0], 15)]
+    pooled = pool_starts(runs)
+    assert len(pooled) == 2
+    one = next(r for r in pooled if r["batch"] == 1)
+    assert one["starts_tok_s"] == [10.0, 3.75]      # 10 tokens / 1 s; median of 5, 2.5
+    assert one["spans_s"] == [1.0, 2.0, 4.0] and one["tok_s_total"] == 5.0
+    assert one["counters"]["vllm:spec_decode_num_accepted_tokens"] == 20
+    assert one["accept_len"] == 2.0 and one["n_requests"] == 3
+    assert one["forward_ms"] == {"1": 15.0}
+    two = next(r for r in pooled if r["batch"] == 2)
+    assert two["starts_tok_s"] == [10.0] and two["tok_s_total"] == 10.0
+    for r in pooled:
+        r.update(speedup=None, speedup_vs_best_2c=None, predicted=None, limit=None,
+                 measured_over_limit=None, note="")
+    text = markdown({"meta": {"mode": "full", "started": "t", "target": "T", "draft": "D",
+                              "max_tokens": 11, "cores": [0, 1], "settings": {}},
+                     "records": pooled})
+    assert "| d | 0 | 1 | AR | 10.0, 3.8 | 3.8 / 6.9 / 10.0 |" in text
+
+
 def _where(target_threads, draft_threads=None):
     def side(threads):
         return {"pid": 1, "threads": len(threads), "busy_threads": threads,
