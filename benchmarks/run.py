@@ -390,7 +390,8 @@ def pool_starts(runs: list[dict]) -> list[dict]:
     for r in runs:
         key = (r["system"], r["dataset"], r["temperature"], r["batch"])
         if key not in pooled:
-            pooled[key] = {**r, "starts_tok_s": [r["tok_s_total"]]}
+            pooled[key] = {**r, "starts_tok_s": [r["tok_s_total"]],
+                           "starts_forward_ms": [r["forward_ms"]]}
             continue
         p = pooled[key]
         for f in ("per_token_s", "spans_s", "wall_s"):
@@ -399,14 +400,15 @@ def pool_starts(runs: list[dict]) -> list[dict]:
         p["n_chunks"] += r["n_chunks"]
         p["counters"] = {k: p["counters"].get(k, 0) + r["counters"].get(k, 0)
                          for k in p["counters"].keys() | r["counters"].keys()}
-        n = len(p["starts_tok_s"])  # forward ms: the mean over starts, width by width
-        p["forward_ms"] = {w: (p["forward_ms"][w] * n + ms) / (n + 1) if w in p["forward_ms"] else ms
-                           for w, ms in r["forward_ms"].items()}
+        p["starts_forward_ms"].append(r["forward_ms"])
         p["starts_tok_s"].append(r["tok_s_total"])
     records = list(pooled.values())
     for rec in records:
-        if len(rec["starts_tok_s"]) > 1:
-            summarize(rec)
+        # forward ms: width by width, the mean over the starts that ran that width
+        starts = rec.pop("starts_forward_ms")
+        rec["forward_ms"] = {w: statistics.mean(d[w] for d in starts if w in d)
+                             for w in dict.fromkeys(w for d in starts for w in d)}
+        summarize(rec)
     return records
 
 
@@ -937,11 +939,10 @@ def run_benchmark(s: Settings, target: str, draft: str, prompts: dict[str, list[
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     runs = []
     groups = blocks(s, list(prompts))
-    rotation = 0
     for bi, block in enumerate(groups):
         for start in range(s.starts):
-            order = systems[rotation % len(systems):] + systems[: rotation % len(systems)]
-            rotation += 1
+            rotation = (bi * s.starts + start) % len(systems)
+            order = systems[rotation:] + systems[:rotation]
             for si, system in enumerate(order):
                 log(f"block {bi + 1}/{len(groups)} (b={block[0].batch})"
                     + (f" start {start + 1}/{s.starts}" if s.starts > 1 else "")

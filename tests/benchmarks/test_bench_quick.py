@@ -140,6 +140,7 @@ def test_engine_starts_pool_into_one_record_per_cell_with_their_spread():
         return r
 
     runs = [rec("AR", 1, [1.0], 5), rec("AR", 2, [2.0], 0), rec("AR", 1, [2.0, 4.0], 15)]
+    runs[0]["forward_ms"]["5"] = 7.0  # a width only the first start ran
     pooled = pool_starts(runs)
     assert len(pooled) == 2
     one = next(r for r in pooled if r["batch"] == 1)
@@ -147,7 +148,7 @@ def test_engine_starts_pool_into_one_record_per_cell_with_their_spread():
     assert one["spans_s"] == [1.0, 2.0, 4.0] and one["tok_s_total"] == 5.0
     assert one["counters"]["vllm:spec_decode_num_accepted_tokens"] == 20
     assert one["accept_len"] == 2.0 and one["n_requests"] == 3
-    assert one["forward_ms"] == {"1": 15.0}
+    assert one["forward_ms"] == {"1": 15.0, "5": 7.0}
     two = next(r for r in pooled if r["batch"] == 2)
     assert two["starts_tok_s"] == [10.0] and two["tok_s_total"] == 10.0
     for r in pooled:
