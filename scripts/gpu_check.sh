@@ -192,7 +192,7 @@ stage_3_worker() {
     pytest_run worker worker tests/draft/test_worker_gpu.py
     rc=$?
     "${LIB[@]}" junit "$FIGS" "$OUT/junit_worker.xml" --max-skipped 0 \
-        --require test_worker_gpu:9 || rc=$(at_least_1 "$rc")
+        --require test_worker_gpu:10 || rc=$(at_least_1 "$rc")
     return $rc
 }
 

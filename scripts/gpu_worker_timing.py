@@ -31,7 +31,8 @@ from vllm_saguaro.core.outcome import Outcome  # noqa: E402
 from vllm_saguaro.draft.worker import DraftWorker  # noqa: E402
 
 
-def measure(path: Path, device: str, dtype: str, batch: int, context: int, reps: int) -> dict:
+def measure(path: Path, device: str, dtype: str, batch: int, context: int, reps: int,
+            hook=None) -> dict:
     cfg = dict(draft_model=str(path), num_speculative_tokens=3, draft_device=device,
                draft_dtype=dtype, fallback="neural", controller={"policy": "fixed"},
                fanout={"policy": "geometric", "budget": 8, "fit_to_round": False,
@@ -42,7 +43,9 @@ def measure(path: Path, device: str, dtype: str, batch: int, context: int, reps:
     rids = [f"r{i}" for i in range(batch)]
     w.step([(r, None, [rng.randrange(10, 500) for _ in range(context)], None) for r in rids], [])
     prespec, fallback = [], []
-    for _ in range(reps + 1):
+    for rep in range(reps + 1):
+        if rep == 1 and hook is not None:  # after the warm-up round
+            hook.__enter__()
         sync()
         t0 = time.perf_counter()
         w.prespeculate()
@@ -60,11 +63,45 @@ def measure(path: Path, device: str, dtype: str, batch: int, context: int, reps:
         w.step(ups, [])
         sync()
         fallback.append(time.perf_counter() - t0)
+    if hook is not None:
+        sync()
+        hook.__exit__(None, None, None)
     ms = lambda xs: round(1000 * statistics.median(xs[1:]), 3)  # noqa: E731 (first: warm-up)
     return {"device": device, "dtype": dtype, "batch": batch, "fanout": list(w.fanout),
             "prespec_ms": ms(prespec), "fallback_ms": ms(fallback),
             "weights": w.model.quantization, "prespec_runs": w.stats.prespec_runs,
             "ops_forks": w.stats.ops_forks}
+
+
+def profile(path: Path, device: str, dtype: str, batch: int, context: int, reps: int) -> None:
+    """Where one setup's rounds go: Python (cProfile: Triton compiles, syncs, loops) and the
+    device (torch.profiler), after the warm-up round."""
+    import cProfile
+    import contextlib
+    import pstats
+
+    prof = cProfile.Profile()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    tp = torch.profiler.profile(activities=acts)
+
+    class Both(contextlib.AbstractContextManager):
+        def __enter__(self):
+            tp.__enter__()
+            prof.enable()
+
+        def __exit__(self, *exc):
+            prof.disable()
+            tp.__exit__(*exc)
+
+    r = measure(path, device, dtype, batch, context, reps, hook=Both())
+    print(f"{device} {dtype} batch {batch}: prespec {r['prespec_ms']} ms, "
+          f"fallback {r['fallback_ms']} ms")
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+    key = "self_cuda_time_total" if device.startswith("cuda") else "self_cpu_time_total"
+    print(tp.key_averages().table(sort_by=key, row_limit=20))
+    print(tp.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 def main(argv=None) -> int:
@@ -73,7 +110,17 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="DEVICE:DTYPE:BATCH",
+                    help="instead of the table: cProfile (top 30 by cumulative time) and "
+                         "torch.profiler (top 20 by device time) of --reps rounds of one "
+                         "setup, e.g. cuda:0:bfloat16:4")
     a = ap.parse_args(argv)
+    if a.profile:
+        *dev, dtype, batch = a.profile.split(":")
+        with tempfile.TemporaryDirectory(prefix="gpu_worker_timing_") as tmp:
+            profile(make_tiny_llama(Path(tmp) / "target"), ":".join(dev), dtype, int(batch),
+                    a.context, a.reps)
+        return 0
     setups = [("cpu", "float32")]
     if torch.cuda.is_available():
         setups += [("cuda:0", "float32"), ("cuda:0", "bfloat16")]

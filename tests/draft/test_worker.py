@@ -51,6 +51,28 @@ def test_forward_matches_transformers(tiny_target, hf):
     torch.testing.assert_close(ours.logits(hidden), ref, atol=2e-4, rtol=2e-4)
 
 
+def test_repeated_kv_heads_attend_like_grouped_attention(tmp_path):
+    """The CUDA way (KV heads repeated to the query's, model.CUDA_ATTENTION) gives what
+    enable_gqa gives, over context, scratch and a tree mask: 4 query heads on 2 KV heads, so
+    repeating the heads in the wrong order (head h reading KV head h % 2) fails."""
+    from tests.tiny_models import make_tiny_llama
+
+    path = make_tiny_llama(tmp_path / "gqa", heads=4, kv_heads=2, hidden=256)
+    grouped, repeated = (DraftModel(path, torch.float32) for _ in range(2))
+    repeated.expand_kv = True
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7], [8, 9, 10, 11, 12, 13]])
+    pos = torch.arange(6)[None].expand(2, 6)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].expand(2, 1, 6, 6)
+    (h1, ctx), (h2, _) = grouped.forward(ids, pos, causal), repeated.forward(ids, pos, causal)
+    torch.testing.assert_close(h2, h1)
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # two branches
+    mask = torch.cat([torch.ones(3, 6, dtype=torch.bool), tree], 1)[None, None].expand(2, 1, 3, 9)
+    nxt, npos = torch.tensor([[4, 40, 41], [6, 60, 61]]), torch.tensor([[6, 7, 7]] * 2)
+    a, _ = grouped.forward(nxt, npos, mask, context=ctx)
+    b, _ = repeated.forward(nxt, npos, mask, context=ctx)
+    torch.testing.assert_close(b, a)
+
+
 @pytest.fixture(params=[False, True], ids=["dict_cache", "device_table"])
 def cache_kind(request, monkeypatch):
     """The speculation cache as a dict per sequence (CPU) or as the device table the worker

@@ -138,7 +138,7 @@ def _check_sampled(toks, counts, w, rid, head):
     q = from_wire(counts)
     assert all(q[i, t] > 0 for i, t in enumerate(toks)), "drafted tokens have mass under q"
     for (k, bonus), spec in w.seqs[rid].cache.entries.items():
-        assert spec.probs.shape == (len(spec.tokens), head) and spec.probs.device.type == "cpu"
+        assert spec.probs.shape == (len(spec.tokens), head) and spec.probs.device == w.device
         c = torch.round(spec.probs * Q_SCALE)
         assert bool((c.sum(-1) == Q_SCALE).all())
         assert all(c[i, t] > 0 for i, t in enumerate(spec.tokens)), (k, bonus)
@@ -241,3 +241,25 @@ def test_seeded_branch_draws_like_the_fallback_on_the_gpu(tiny_target):
     w2.prespeculate()
     (fallback, hit, _), = step(w2, [("a", toks[:k] + [bonus], None, None)], [])
     assert hit is False and fallback == branch.tokens
+
+
+def test_bf16_attention_on_the_gpu_leaves_cudnn_out(tmp_path):
+    """bf16 on CUDA: attention runs without cuDNN's (a new cuDNN graph for every shape cost
+    ~60 ms a call, model.CUDA_ATTENTION) and with grouped heads gives what the CPU gives."""
+    from tests.tiny_models import make_tiny_llama
+    from vllm_saguaro.draft.model import DraftModel
+
+    path = make_tiny_llama(tmp_path / "gqa", heads=4, kv_heads=2, hidden=256)
+    gpu, cpu = DraftModel(path, torch.bfloat16, GPU), DraftModel(path, torch.float32)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7, 8]])
+    for n in (5, 6, 7):  # three shapes, as a growing context gives
+        mask = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        pos = torch.arange(n)[None]
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            hg, _ = gpu.forward(ids[:, :n].to(GPU), pos.to(GPU), mask.to(GPU))
+            torch.cuda.synchronize()
+        names = {e.key for e in prof.key_averages()}
+        assert not [k for k in names if "cudnn_attention" in k], sorted(names)
+        assert [k for k in names if "attention" in k], "no attention op profiled"
+        hc, _ = cpu.forward(ids[:, :n], pos, mask)
+        torch.testing.assert_close(hg.float().cpu(), hc, atol=0.1, rtol=0.05)

@@ -6,6 +6,7 @@ caller passes the gathered context KV, any earlier scratch KV, and one boolean m
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -14,12 +15,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vllm_saguaro.draft.linear import Linear, fused
 
 SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 KV = tuple[torch.Tensor, torch.Tensor]  # each [N, Hkv, L, D]
+
+# Attention on CUDA, with the draft's boolean mask and grouped KV heads. Left to choose,
+# torch takes cuDNN attention for bf16, which builds a new cuDNN graph for every new shape;
+# the draft's shapes change every call (the context grows by a token, the tree's width
+# varies), so each call paid ~60 ms of planning on an H200 (scripts/gpu_check.sh, stage 5:
+# 215 ms a pre-speculation in bf16 against 9 ms in fp32). Memory-efficient attention takes
+# the mask but not grouped heads, so on CUDA the KV heads are repeated to the query's
+# (as enable_gqa does, head h reading KV head h // group) and cuDNN is left out.
+CUDA_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -185,6 +196,7 @@ class DraftModel:
         path = Path(path)
         self.spec = spec = DraftSpec.from_dir(path)
         self.dtype, self.device = dtype, torch.device(device)
+        self.expand_kv = self.device.type == "cuda"  # CUDA_ATTENTION's way; a test sets it on CPU
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in _load_weights(path).items()}
 
         def get(name: str) -> torch.Tensor:
@@ -238,12 +250,18 @@ class DraftModel:
         Returns the final-normed hidden states [N, T, hidden] and each layer's new KV, or
         None if stop() turned true between two layers (a pre-speculation cut short).
         """
-        s = self.spec
-        n, t = input_ids.shape
         x = self.embed[input_ids]
         freqs = positions.to(torch.float32)[..., None] * self.inv_freq  # [N, T, D/2]
         cos = freqs.cos()[:, None].to(self.dtype)
         sin = freqs.sin()[:, None].to(self.dtype)
+        with sdpa_kernel(CUDA_ATTENTION) if self.expand_kv else contextlib.nullcontext():
+            return self._layers(x, cos, sin, mask, context, scratch, stop)
+
+    def _layers(self, x, cos, sin, mask, context, scratch, stop):
+        """The decoder layers and the final norm: forward's body, under its attention."""
+        s = self.spec
+        n, t = x.shape[:2]
+        expand = self.expand_kv and s.num_heads != s.num_kv_heads
         new_kv: list[KV] = []
         for i, L in enumerate(self.layers):
             if stop is not None and stop():
@@ -266,7 +284,10 @@ class DraftModel:
             ks.append(k); vs.append(v)
             kk = torch.cat(ks, dim=2) if len(ks) > 1 else k
             vv = torch.cat(vs, dim=2) if len(vs) > 1 else v
-            a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=True)
+            if expand:
+                group = s.num_heads // s.num_kv_heads
+                kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
+            a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=not expand)
             a = a.transpose(1, 2).reshape(n, t, s.num_heads * s.head_dim)
             x = x + L["o_proj"](a).to(self.dtype)
             h = _rms(x, L["post_attention_layernorm"], s.rms_eps)
