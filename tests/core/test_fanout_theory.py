@@ -120,3 +120,7 @@ def test_rates_from_measured_costs():
     e_f = expected_tokens_per_round(0.2, 3)
     assert fast == pytest.approx(16 * (0.5 * e + 0.5 * e_f) / target(64))
     assert sd_rate(0.6, 0, 4, target, draft) == target_alone_rate(4, target)
+    # a speculating round's own overhead (tune measures it) adds to every round's time
+    assert ssd_rate(0.6, 3, 1.0, 1, target, draft, overhead_s=0.02) == pytest.approx(e / 0.086)
+    assert sd_rate(0.6, 3, 1, target, draft, overhead_s=0.02) == pytest.approx(e / (0.066 + 0.05))
+    assert ssd_rate(0.6, 0, 0.5, 4, target, draft, overhead_s=0.02) == target_alone_rate(4, target)

@@ -16,7 +16,8 @@ def test_tune_writes_a_valid_recommended_config(tmp_path, tiny_target, tiny_draf
     cmd = [sys.executable, "-m", "vllm_saguaro.vllm_glue.cli", "tune", str(tiny_target),
            "--draft", str(tiny_draft), "--batches", "1,2", "--ks", "1,2", "-k", "2",
            "--num-prompts", "2", "--max-tokens", "10", "--dtype", "float32",
-           "--max-model-len", "256", "--out", str(out), "--json", str(js)]
+           "--max-model-len", "256", "--out", str(out), "--json", str(js),
+           "--check", "--starts", "2"]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "RAY_AUTH_MODE": "disabled"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -27,6 +28,10 @@ def test_tune_writes_a_valid_recommended_config(tmp_path, tiny_target, tiny_draf
     assert costs["draft_fixed_s"] is not None and 0 < costs["acceptance_rate"] < 1
     assert len(result["predictions"]) == 2 * 2 * 2  # batches x K x (SD, SSD)
     assert all(r["speedup"] > 0 for r in result["predictions"])
+    # --check: the config and the target alone twice each (step 0 the alone's first)
+    assert "2 engine starts each, pooled" in proc.stdout
+    for key in ("measured", "alone_pooled_tok_s", "check_tok_s", "expected_pooled"):
+        assert set(result[key]) == {"1", "2"} and all(v > 0 for v in result[key].values())
     cfg = load_config(str(out))
     assert cfg.num_speculative_tokens == result["recommended_k"] in (1, 2)
     assert cfg.controller.policy == "auto" and cfg.controller.target_fixed_s > 0

@@ -1,6 +1,7 @@
 """vllm-saguaro tune's own logic: predictions from measurements, the recommended K, the
 yaml it writes (which the plugin must accept), prompt files."""
 import json
+import os
 
 import pytest
 
@@ -11,9 +12,14 @@ COSTS = {"target_fixed_s": 0.06, "target_per_token_s": 0.0035, "draft_fixed_s": 
          "draft_per_row_s": 0.002, "acceptance_rate": 0.6}
 
 
+def alone_from(costs, batches):
+    """The target alone at the costs line's rate (what step 0 would measure)."""
+    return {b: b / (costs["target_fixed_s"] + costs["target_per_token_s"] * b) for b in batches}
+
+
 def test_predictions_favour_ssd_at_batch_1_and_nothing_at_large_batch():
     hits = {1: {"hit_rate": 0.5}, 16: {"hit_rate": 0.3}}
-    rows = tune.predict(COSTS, hits, [1, 2, 3])
+    rows = tune.predict(COSTS, hits, [1, 2, 3], alone_from(COSTS, [1, 16]))
     at = {(r["batch"], r["system"], r["k"]): r["speedup"] for r in rows}
     assert at[(1, "SSD", 3)] > at[(1, "SD", 3)] > 0
     assert at[(1, "SSD", 3)] > 1.0
@@ -55,8 +61,60 @@ def test_bad_arguments_are_refused(tmp_path, tiny_draft):
         tune.parse_args([str(tmp_path), "--draft", str(tiny_draft)])  # no checkpoint there
     with pytest.raises(SystemExit):
         tune.parse_args([str(tiny_draft), "--draft", str(tiny_draft), "--ks", "0,1"])
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit):  # --out under a file: refused before measuring
+        tune.parse_args([str(tiny_draft), "--draft", str(tiny_draft), "--out",
+                         str(tmp_path / "file" / "s.yaml")])
+
+
+def test_output_directories_are_made_before_measuring(tmp_path, tiny_draft):
+    out, js = tmp_path / "new" / "s.yaml", tmp_path / "other" / "t.json"
+    tune.parse_args([str(tiny_draft), "--draft", str(tiny_draft), "--out", str(out),
+                     "--json", str(js)])
+    assert out.parent.is_dir() and js.parent.is_dir()
 
 
 def test_plain_decoding_on_lent_cores_sets_the_floor():
     rows = [{"batch": 16, "k": 3, "system": "SSD", "speedup": 1.2}]
     assert tune.recommend(rows, [3], plain=1.4) == (3, {16: 1.4})
+
+
+def test_the_rounds_overhead_and_the_measured_baseline_enter_the_prediction():
+    hits = {1: {"hit_rate": 0.5, "overhead_s": 0.0}}
+    base = tune.predict(COSTS, hits, [3], alone_from(COSTS, [1]))
+    slower = tune.predict(COSTS, {1: {"hit_rate": 0.5, "overhead_s": 0.03}}, [3],
+                          alone_from(COSTS, [1]))
+    faster_alone = tune.predict(COSTS, hits, [3], {1: 2 * alone_from(COSTS, [1])[1]})
+    for system in ("SD", "SSD"):
+        b, s, f = (next(r["speedup"] for r in rows if r["system"] == system)
+                   for rows in (base, slower, faster_alone))
+        assert s < b and f == pytest.approx(b / 2)
+
+
+def test_round_overhead_from_the_proposers_metrics():
+    before = {"rounds": 10, "target_rounds": 9, "target_s": 0.9, "transport_s": 0.05,
+              "wait_prespec_s": 0.0}
+    after = {"rounds": 30, "target_rounds": 29, "target_s": 0.9 + 20 * 0.110,
+             "transport_s": 0.05 + 20 * 0.008, "wait_prespec_s": 20 * 0.002}
+    # the target's side 110 ms against a 100 ms model step, 8 ms crossing, 2 ms overrun
+    assert tune.round_overhead(before, after, 0.100) == pytest.approx(0.020)
+    # a target step faster than the model's takes off the rest, never below 0
+    assert tune.round_overhead(before, after, 0.200) == 0.0
+    assert tune.round_overhead(before, before, 0.100) == 0.0  # no round measured
+
+
+def test_engine_starts_are_pooled_over_every_batch():
+    starts = [{1: [10.0, 11.0, 12.0], 4: [40.0]}, {1: [20.0, 21.0, 22.0], 4: [30.0, 50.0]}]
+    assert tune.pooled(starts) == {1: 16.0, 4: 40.0}
+    assert tune.prompts_needed(8, 16) == 16 * tune.MIN_BATCHES
+    assert tune.prompts_needed(100, 1) == 100
+
+
+def test_the_target_alone_runs_on_every_core_unless_the_user_bound_it(monkeypatch):
+    from vllm_saguaro.core.placement import BIND_ENV
+
+    monkeypatch.delenv(BIND_ENV, raising=False)
+    cores = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+    assert tune.alone_binding() == {BIND_ENV: cores}
+    monkeypatch.setenv(BIND_ENV, "0")
+    assert tune.alone_binding() == {}  # the user's own binding stands

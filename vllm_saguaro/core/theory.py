@@ -37,22 +37,26 @@ def fallback_crossover(p_hit: float, e_hit: float, e_miss_neural: float, e_miss_
 
 # Predicted decode rates from measured costs (vllm-saguaro tune): target_s(w) is the
 # target's step time at w tokens verified, draft_step_s(rows) one draft step for that
-# many rows (core/controller.py StepCost); a = per-token acceptance (i.i.d.).
+# many rows (core/controller.py StepCost); a = per-token acceptance (i.i.d.). overhead_s:
+# what a speculating round costs beyond those steps (the draft's reply crossing, vLLM's
+# spec-decode bookkeeping), measured by tune; left out (0) the prediction was 20-25% too
+# high on the reference pair at every batch size (benchmarks/results/tune).
 def target_alone_rate(batch: int, target_s) -> float:
     """Tokens per second of plain decoding."""
     return batch / target_s(batch)
 
 
-def sd_rate(a: float, k: int, batch: int, target_s, draft_step_s) -> float:
+def sd_rate(a: float, k: int, batch: int, target_s, draft_step_s,
+            overhead_s: float = 0.0) -> float:
     """Synchronous SD: every round drafts K steps, then verifies K+1 tokens a sequence."""
     if k == 0:
         return target_alone_rate(batch, target_s)
     e = expected_tokens_per_round(a, k)
-    return batch * e / (target_s(batch * (k + 1)) + k * draft_step_s(batch))
+    return batch * e / (target_s(batch * (k + 1)) + k * draft_step_s(batch) + overhead_s)
 
 
 def ssd_rate(a: float, k: int, p_hit: float, batch: int, target_s, draft_step_s,
-             a_fast: float | None = None) -> float:
+             a_fast: float | None = None, overhead_s: float = 0.0) -> float:
     """SSD: a round waits for a fallback unless every sequence hits (p_hit^batch); the
     neural fallback drafts K steps for the missed rows, the fast one (a_fast: its
     acceptance) is free. The draft's pre-speculation is assumed hidden (it fits the
@@ -68,4 +72,4 @@ def ssd_rate(a: float, k: int, p_hit: float, batch: int, target_s, draft_step_s,
     else:
         e_miss, stall = expected_tokens_per_round(a_fast, k), 0.0
     tokens = batch * (p_hit * e + (1.0 - p_hit) * e_miss)
-    return tokens / (target_s(batch * (k + 1)) + stall)
+    return tokens / (target_s(batch * (k + 1)) + stall + overhead_s)

@@ -1,17 +1,25 @@
 """``vllm-saguaro tune``: measure a target and a draft, predict each configuration's speedup,
 write the recommended ``saguaro.yaml``.
 
-Three measured steps, each one engine started as a user starts it (multiprocess):
+Four measured steps, each one engine started as a user starts it (multiprocess):
+  0. alone    the target alone, as the user would run it instead (no speculative config;
+              on CPU its threads on every core, alone_binding): decode tok/s per batch
+              size, the baseline every speedup is over.
   1. costs    synchronous SD with the controller forced to send 0..K tokens in turn, at
               every batch size asked for: the target's step time over many widths (the
               line t(w) the controller uses), a neural draft step by rows, a_p.
-  2. hits     SSD with K pinned at every batch size: the cache hit rate per batch size.
-  3. check    (--check) the recommended config and the target alone, side by side: the
-              measured speedup next to the predicted one.
+  2. hits     SSD with K pinned at every batch size: the cache hit rate per batch size,
+              and what a speculating round costs beyond the target's step and the
+              fallback (the draft's reply crossing, a pre-speculation that overran, the
+              target's step running slower beside the working draft).
+  3. check    (--check) the recommended config and the target alone, --starts engine
+              starts each in turn (step 0 counts as the alone's first), pooled: the
+              measured speedup next to the one predicted over the pooled target alone.
 Predictions come from core/theory.py with these measurements (i.i.d. acceptance a_p, the
-hit rate measured at the configured K and budget held for the other K). Budget and C are
-measured as configured, not searched (each needs its own run; benchmarks/c_sweep.py
-sweeps C).
+hit rate and the round's overhead measured at the configured K and budget held for the
+other K). Plain decoding under the plugin counts as the target alone (on CPU the draft's
+cores are lent to it). Budget and C are measured as configured, not searched (each needs
+its own run; benchmarks/c_sweep.py sweeps C).
 """
 from __future__ import annotations
 
@@ -26,7 +34,8 @@ from pathlib import Path
 import yaml
 
 from vllm_saguaro.core.controller import StepCost
-from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
+from vllm_saguaro.core.placement import BIND_ENV, swap_environ
+from vllm_saguaro.core.theory import sd_rate, ssd_rate
 
 # Prompts when the user gives none: mixed chat and code, like the reference pair's sets.
 DEFAULT_PROMPTS = [
@@ -59,27 +68,44 @@ def read_prompts(path: str | None, n: int) -> list[str]:
 
 
 def engine(target: str, spec: dict | None, args):
-    from vllm import LLM
+    """An engine as a user starts it, warmed: its first generate runs slower (one-time
+    allocations, the draft's first calls), and step 0 measured batch 1 first, ~25% low."""
+    from vllm import LLM, SamplingParams
 
-    return LLM(model=target, speculative_config=spec, enforce_eager=True,
-               max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
-               dtype=args.dtype, disable_log_stats=False)  # per-request timestamps
+    llm = LLM(model=target, speculative_config=spec, enforce_eager=True,
+              max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
+              dtype=args.dtype, disable_log_stats=False)  # per-request timestamps
+    llm.generate(["Warm up."], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    return llm
 
 
-def decode(llm, prompts: list[str], batch: int, max_tokens: int, num_prompts: int) -> float:
+MIN_BATCHES = 3  # batches timed per batch size at least: one 31-step batch varies by ~10%
+
+
+def prompts_needed(num_prompts: int, batch: int) -> int:
+    return max(num_prompts, MIN_BATCHES * batch)
+
+
+def decode_rates(llm, prompts: list[str], batch: int, max_tokens: int,
+                 num_prompts: int) -> list[float]:
     """Decode tok/s of the whole batch (prefill left out: from the first token to the last,
-    vLLM's per-request timestamps), median over max(num_prompts, batch) prompts' batches."""
+    vLLM's per-request timestamps), one per batch of prompts_needed() prompts."""
     from vllm import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    use = prompts[:max(num_prompts, batch)]
+    use = prompts[:prompts_needed(num_prompts, batch)]
     rates = []
     for i in range(0, len(use) - batch + 1, batch):
         outs = llm.generate(use[i:i + batch], sp, use_tqdm=False)
         first = min(o.metrics.first_token_ts for o in outs)
         last = max(o.metrics.last_token_ts for o in outs)
         rates.append(batch * (max_tokens - 1) / max(last - first, 1e-9))
-    return statistics.median(rates)
+    return rates
+
+
+def decode(llm, prompts: list[str], batch: int, max_tokens: int, num_prompts: int) -> float:
+    """The median of decode_rates."""
+    return statistics.median(decode_rates(llm, prompts, batch, max_tokens, num_prompts))
 
 
 def base_spec(args, **over) -> dict:
@@ -111,37 +137,91 @@ def measure_costs(args, prompts) -> dict:
     return out
 
 
-def measure_hits(args, prompts) -> dict[int, dict]:
-    """Step 2: SSD with K pinned: hit rate and tok/s per batch size."""
-    from vllm_saguaro.vllm_glue.offline import engine_report, shutdown
+def alone_binding() -> dict[str, str]:
+    """The target alone's thread binding on CPU: every core this process may use, unless
+    the user set VLLM_CPU_OMP_THREADS_BIND. vLLM's default (auto) keeps one core for its
+    front end, which on a 2-core machine leaves the target one thread: 20-30% slower
+    than both cores here (docs/cpu-thread-placement.md), not the baseline to beat."""
+    from vllm.platforms import current_platform
 
-    llm = engine(args.target, base_spec(args, controller={"policy": "fixed"}), args)
+    if not current_platform.is_cpu() or os.environ.get(BIND_ENV):
+        return {}
+    return {BIND_ENV: ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))}
+
+
+def measure_rates(args, prompts, spec: dict | None, step: str) -> dict[int, list[float]]:
+    """One engine start with spec (None: the target alone, on every core): decode tok/s
+    per batch size."""
+    from vllm_saguaro.vllm_glue.offline import shutdown
+
+    saved = swap_environ(alone_binding() if spec is None else {})
+    try:
+        llm = engine(args.target, spec, args)  # the engine's worker takes the binding now
+    finally:
+        swap_environ(saved)
     out = {}
     for b in args.batches:
-        before = engine_report(llm)["draft"]
-        rate = decode(llm, prompts, b, args.max_tokens, args.num_prompts)
-        after = engine_report(llm)["draft"]
-        lookups = after["lookups"] - before["lookups"]
-        p = (after["hits"] - before["hits"]) / lookups if lookups else 0.0
-        out[b] = {"hit_rate": p, "tok_s": rate}
-        log(f"hits: batch {b}: hit rate {p:.2f}")
+        out[b] = decode_rates(llm, prompts, b, args.max_tokens, args.num_prompts)
+        log(f"{step}: batch {b}: {statistics.median(out[b]):.1f} tok/s")
     shutdown(llm)
     return out
 
 
-def predict(costs: dict, hits: dict[int, dict], ks: list[int]) -> list[dict]:
+def pooled(starts: list[dict[int, list[float]]]) -> dict[int, float]:
+    """Per batch size, the median over every batch of every engine start: one start's
+    decode speed differs from the next by up to ~20% here, so one start is not a baseline."""
+    return {b: statistics.median(r for s in starts for r in s[b]) for b in starts[0]}
+
+
+def round_overhead(before: dict, after: dict, target_step_s: float) -> float:
+    """What a speculating round cost beyond the model's target step and fallback, from the
+    proposer's metrics (SaguaroMetrics.as_dict) before and after a run: the target's side
+    of the round over t(w) at the width it verified, the draft's reply crossing (its call
+    minus the worker's compute, plus unpacking), and the wait for a pre-speculation still
+    in flight (theory assumes it hidden). Each per round, at least 0 in all."""
+    d = {k: after[k] - before[k] for k in ("rounds", "target_rounds", "target_s",
+                                           "transport_s", "wait_prespec_s")}
+    if not d["rounds"]:
+        return 0.0
+    slower = d["target_s"] / d["target_rounds"] - target_step_s if d["target_rounds"] else 0.0
+    return max(0.0, slower + (d["transport_s"] + d["wait_prespec_s"]) / d["rounds"])
+
+
+def measure_hits(args, prompts, costs: dict) -> dict[int, dict]:
+    """Step 2: SSD with K pinned: hit rate, the round's overhead and tok/s per batch size."""
+    from vllm_saguaro.vllm_glue.offline import engine_report, shutdown
+
+    target = StepCost(costs["target_fixed_s"], costs["target_per_token_s"]).predict
+    llm = engine(args.target, base_spec(args, controller={"policy": "fixed"}), args)
+    out = {}
+    for b in args.batches:
+        before = engine_report(llm)
+        rate = decode(llm, prompts, b, args.max_tokens, args.num_prompts)
+        after = engine_report(llm)
+        lookups = after["draft"]["lookups"] - before["draft"]["lookups"]
+        p = (after["draft"]["hits"] - before["draft"]["hits"]) / lookups if lookups else 0.0
+        overhead = round_overhead(before["metrics"], after["metrics"], target(b * (args.k + 1)))
+        out[b] = {"hit_rate": p, "overhead_s": overhead, "tok_s": rate}
+        log(f"hits: batch {b}: hit rate {p:.2f}, round overhead {1000 * overhead:.1f} ms")
+    shutdown(llm)
+    return out
+
+
+def predict(costs: dict, hits: dict[int, dict], ks: list[int],
+            alone: dict[int, float]) -> list[dict]:
     """Every (batch, K, fallback) with its predicted speedup over the target alone."""
     target = StepCost(costs["target_fixed_s"], costs["target_per_token_s"]).predict
     draft = StepCost(costs["draft_fixed_s"], costs["draft_per_row_s"]).predict
     a = costs["acceptance_rate"]
     rows = []
     for b, h in hits.items():
-        base = target_alone_rate(b, target)
+        base, o = alone[b], h.get("overhead_s", 0.0)
         for k in ks:
             rows.append({"batch": b, "k": k, "system": "SD", "fallback": "neural",
-                         "speedup": sd_rate(a, k, b, target, draft) / base})
+                         "speedup": sd_rate(a, k, b, target, draft, overhead_s=o) / base})
             rows.append({"batch": b, "k": k, "system": "SSD", "fallback": "neural",
-                         "speedup": ssd_rate(a, k, h["hit_rate"], b, target, draft) / base})
+                         "speedup": ssd_rate(a, k, h["hit_rate"], b, target, draft,
+                                             overhead_s=o) / base})
     return rows
 
 
@@ -174,20 +254,15 @@ def write_yaml(path: str, args, k: int, costs: dict) -> dict:
     return cfg
 
 
-def check(args, cfg: dict, prompts) -> dict[int, float]:
-    """Step 3: the recommended config and the target alone, measured speedup per batch."""
-    from vllm_saguaro.vllm_glue.offline import shutdown
-
-    measured = {}
-    llm = engine(args.target, None, args)
-    alone = {b: decode(llm, prompts, b, args.max_tokens, args.num_prompts) for b in args.batches}
-    shutdown(llm)
-    llm = engine(args.target, cfg, args)
-    for b in args.batches:
-        measured[b] = decode(llm, prompts, b, args.max_tokens, args.num_prompts) / alone[b]
-        log(f"check: batch {b}: measured speedup {measured[b]:.2f}")
-    shutdown(llm)
-    return measured
+def check(args, cfg: dict, prompts, alone: list[dict[int, list[float]]]):
+    """Step 3: the recommended config and the target alone, --starts engine starts each in
+    turn (step 0 was the target alone's first): pooled tok/s of each per batch size."""
+    starts = []
+    for i in range(args.starts):
+        starts.append(measure_rates(args, prompts, cfg, f"check {i + 1}/{args.starts}"))
+        if len(alone) < args.starts:
+            alone.append(measure_rates(args, prompts, None, f"alone {i + 2}/{args.starts}"))
+    return pooled(starts), pooled(alone)
 
 
 def parse_args(argv):
@@ -209,7 +284,9 @@ def parse_args(argv):
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--out", default="saguaro.yaml", help="where the recommended config goes")
     p.add_argument("--check", action="store_true", help="also run the recommended config "
-                   "and the target alone, and print measured next to predicted")
+                   "and print its measured speedup next to the predicted one")
+    p.add_argument("--starts", type=int, default=2, help="with --check: engine starts of the "
+                   "recommended config and of the target alone, in turn, pooled (default 2)")
     p.add_argument("--json", help="write every measurement and prediction here")
     args = p.parse_args(argv)
     args.batches = sorted({int(x) for x in args.batches.split(",")})
@@ -220,6 +297,14 @@ def parse_args(argv):
     args.draft = str(Path(args.draft).resolve())
     if args.k < 1 or min(args.ks) < 1 or max(args.ks) > 32:
         p.error("K must be in 1..32")
+    if args.starts < 1:
+        p.error("--starts must be at least 1")
+    for name in ("out", "json"):  # made now, not after minutes of measuring
+        if getattr(args, name):
+            try:
+                Path(getattr(args, name)).parent.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                p.error(f"--{name} {getattr(args, name)!r}: cannot make its directory ({e})")
     return args
 
 
@@ -227,19 +312,22 @@ def main(argv=None) -> dict:
     args = parse_args(sys.argv[2:] if argv is None else argv)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     t0 = time.monotonic()
-    prompts = read_prompts(args.prompts, max(args.num_prompts, max(args.batches)))
+    prompts = read_prompts(args.prompts, prompts_needed(args.num_prompts, max(args.batches)))
     log(f"target {args.target}, draft {args.draft}, batches {args.batches}, "
         f"{len(prompts)} prompts x {args.max_tokens} tokens")
+    alone_starts = [measure_rates(args, prompts, None, "alone 1")]
+    alone = pooled(alone_starts)
     costs = measure_costs(args, prompts)
     log(f"target step {1000 * costs['target_fixed_s']:.1f} ms + "
         f"{1000 * costs['target_per_token_s']:.2f} ms/token; draft step "
         f"{1000 * costs['draft_fixed_s']:.1f} ms + {1000 * costs['draft_per_row_s']:.2f} ms/row; "
         f"a_p {costs['acceptance_rate']:.2f}")
-    hits = measure_hits(args, prompts)
-    rows = predict(costs, hits, args.ks)
+    hits = measure_hits(args, prompts, costs)
+    rows = predict(costs, hits, args.ks, alone)
     k, expected = recommend(rows, args.ks)
-    print("\npredicted speedup over the target alone (budget "
-          f"{args.budget}, C {args.saguaro_c}; hit rates measured at K={args.k}):")
+    print("\npredicted speedup over the target alone as measured in step 0 (budget "
+          f"{args.budget}, C {args.saguaro_c}; hit rates and round overhead measured at "
+          f"K={args.k}):")
     print("batch | " + " | ".join(f"SD K{x}" for x in args.ks) + " | "
           + " | ".join(f"SSD K{x}" for x in args.ks) + " | with the controller")
     for b in args.batches:
@@ -249,15 +337,21 @@ def main(argv=None) -> dict:
               + " | ".join(f"{x:.2f}" for x in ssd) + f" | {expected[b]:.2f}")
     cfg = write_yaml(args.out, args, k, costs)
     log(f"recommended K={k} (the controller picks 0..K per sequence and step): {args.out}")
-    result = {"costs": costs, "hits": hits, "predictions": rows, "recommended_k": k,
-              "expected": expected, "config": cfg}
+    result = {"alone_tok_s": alone, "costs": costs, "hits": hits, "predictions": rows,
+              "recommended_k": k, "expected": expected, "config": cfg}
     if args.check:
-        measured = check(args, cfg, prompts)
-        result["measured"] = measured
-        print("\nbatch | predicted | measured | error")
+        ssd, alone = check(args, cfg, prompts, alone_starts)
+        _, expected = recommend(predict(costs, hits, [k], alone), [k])  # over the pooled
+        measured = {b: ssd[b] / alone[b] for b in args.batches}
+        result.update(measured=measured, expected_pooled=expected, alone_pooled_tok_s=alone,
+                      check_tok_s=ssd)
+        print(f"\nthe recommended config against the target alone, {args.starts} engine "
+              "starts each, pooled:")
+        print("batch | alone tok/s | recommended tok/s | predicted | measured | error")
         for b in args.batches:
             err = expected[b] / measured[b] - 1
-            print(f"{b:5d} | {expected[b]:.2f} | {measured[b]:.2f} | {100 * err:+.0f}%")
+            print(f"{b:5d} | {alone[b]:.1f} | {ssd[b]:.1f} | {expected[b]:.2f} | "
+                  f"{measured[b]:.2f} | {100 * err:+.0f}%")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     log(f"done in {time.monotonic() - t0:.0f} s")
