@@ -262,6 +262,7 @@ class DraftModel:
         s = self.spec
         n, t = x.shape[:2]
         expand = self.expand_kv and s.num_heads != s.num_kv_heads
+        group = s.num_heads // s.num_kv_heads
         new_kv: list[KV] = []
         for i, L in enumerate(self.layers):
             if stop is not None and stop():
@@ -285,7 +286,6 @@ class DraftModel:
             kk = torch.cat(ks, dim=2) if len(ks) > 1 else k
             vv = torch.cat(vs, dim=2) if len(vs) > 1 else v
             if expand:
-                group = s.num_heads // s.num_kv_heads
                 kk, vv = kk.repeat_interleave(group, 1), vv.repeat_interleave(group, 1)
             a = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, enable_gqa=not expand)
             a = a.transpose(1, 2).reshape(n, t, s.num_heads * s.head_dim)
