@@ -452,3 +452,50 @@ def test_cpu_worker_asks_for_amx_before_vllm_uses_it():
                          timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-2:] == ["False", "True"], out.stdout
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, None])  # None: greedy and sampled rows
+def test_a_batch_without_drafts_skips_the_rejection_kernels_with_the_same_tokens(temperature):
+    """patch_rejection_sample_no_drafts: no draft token in the batch -> the bonus tokens,
+    exactly what vLLM's rejection_sample gives; with drafts it is vLLM's own."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler as rs
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    patches.apply_all()
+    if current_platform.is_cpu():  # the C++ kernels the engine's CPU worker registers
+        current_platform.register_triton_kernel_overrides()
+    assert rs.rejection_sample.original is not None  # installed
+    original, patched = rs.rejection_sample.original, rs.rejection_sample
+    batch, vocab = 5, 64
+    temps = [temperature] * batch if temperature is not None else [0.0, 1.0, 0.0, 1.0, 1.0]
+    gen = torch.Generator().manual_seed(3)
+
+    def metadata(drafts):
+        from vllm.v1.sample.logits_processor import LogitsProcessors
+        from vllm.v1.sample.metadata import SamplingMetadata
+
+        t = torch.tensor(temps)
+        return SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu")), SamplingMetadata(
+            temperature=t, all_greedy=all(x == 0 for x in temps),
+            all_random=all(x > 0 for x in temps), top_p=None, top_k=None,
+            generators={}, max_num_logprobs=None, no_penalties=True, prompt_token_ids=None,
+            frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+            repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
+            allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+    for drafts in ([[] for _ in range(batch)], [[1, 2], [], [3], [], [4, 5, 6]]):
+        meta, sm = metadata(drafts)
+        n = sum(len(d) for d in drafts)
+        logits = torch.randn(n, vocab, generator=gen)
+        bonus = torch.randint(0, vocab, (batch, 1), generator=gen)
+        probs = torch.softmax(torch.randn(n, vocab, generator=gen), -1)
+        args = (meta.draft_token_ids, meta.num_draft_tokens, meta.max_spec_len,
+                meta.cu_num_draft_tokens, probs, logits, bonus, sm)
+        torch.manual_seed(0)
+        want = original(*args)
+        torch.manual_seed(0)
+        got = patched(*args)
+        assert got.dtype == want.dtype and torch.equal(got, want)
+        if not n:
+            assert got[:, 0].tolist() == bonus[:, 0].tolist()
