@@ -168,8 +168,8 @@ def _where(target_threads, draft_threads=None):
     return {"target": side(target_threads), "draft": side(draft_threads) if draft_threads else None}
 
 
-def _t(cores, busy=1.0, name="python"):
-    return {"tid": 1, "name": name, "cores": cores, "cpu_s": busy, "busy_s": busy}
+def _t(cores, busy=1.0, name="python", tid=1):
+    return {"tid": tid, "name": name, "cores": cores, "cpu_s": busy, "busy_s": busy}
 
 
 def test_the_benchmark_refuses_threads_that_are_not_where_it_says():
@@ -182,6 +182,8 @@ def test_the_benchmark_refuses_threads_that_are_not_where_it_says():
     ssd = System("ssd", 3)
     # Ray's client threads of the target's process may sit on the draft's core
     check_placement(ssd, _where([_t([0]), _t([1], 0.1, "gcs_client")], [_t([1])]), pair)
+    # the draft's core lent: the team's thread there may be busier than the main thread
+    check_placement(ssd, _where([_t([0], 5.1), _t([1], 6.1, tid=2)], [_t([1])]), pair)
     bad = [
         (System("ar"), _where([_t([0, 1])])),                          # unbound target
         (System("ar", cores=2), _where([_t([0, 1])])),                  # one thread on 2 cores
@@ -190,6 +192,7 @@ def test_the_benchmark_refuses_threads_that_are_not_where_it_says():
         (ssd, _where([_t([0])], [_t([0, 1])])),                         # draft free to roam
         (ssd, _where([_t([0])])),                                       # no draft seen
         (ssd, _where([_t([0]), _t([0, 1], 0.2)], [_t([1])])),           # a roaming target thread
+        (ssd, _where([_t([0], 6.1, tid=2), _t([1], 5.1)], [_t([1])])),  # main thread on the draft's
     ]
     for system, where in bad:
         with pytest.raises(SystemExit, match="threads not where the benchmark says"):
