@@ -167,20 +167,26 @@ def test_omp_binding_takes_the_draft_cores_out_of_vllms_auto_lists(tiny_draft, m
                                  additional_config={"saguaro": pinned})
     assert ompmultiprocessing.OMPProcessManager(no_lending).cpu_lists == [target]
     # core lending (vllm_glue/lending.py): OpenMP gets the target's cores, then the
-    # draft's, and a team the size of the target's
+    # draft's, and a team of all of them (the target starts lent), the target's own count
+    # apart
+    from vllm_saguaro.vllm_glue.lending import TARGET_THREADS_ENV
+
     monkeypatch.setenv("LD_PRELOAD", "/x/libiomp5.so")
+    monkeypatch.delenv(TARGET_THREADS_ENV, raising=False)
     manager = ompmultiprocessing.OMPProcessManager(ssd)
     assert manager.cpu_lists == [target + [1]]
     with manager.configure_omp_envs(0, 0):
-        assert os.environ["OMP_NUM_THREADS"] == str(len(target))
+        assert os.environ["OMP_NUM_THREADS"] == str(len(target) + 1)
+        assert os.environ[TARGET_THREADS_ENV] == str(len(target))
         assert os.environ["KMP_AFFINITY"].endswith(f"proclist=[{','.join(map(str, target + [1]))}]")
+    assert TARGET_THREADS_ENV not in os.environ
 
 
 def test_lent_gemms_get_onednn_keys_of_their_own(monkeypatch):
-    """patch_lent_gemms on layers vLLM itself dispatched: while lent, a oneDNN layer
-    without a bias gets a zero bias (its input untouched), a layer with one a padded row
-    stride (the same values); unlent, the very tensors pass through. Results equal bit
-    for bit."""
+    """patch_lent_gemms on layers vLLM itself dispatched: while the team is not the size
+    it started with (rekeyed), a oneDNN layer without a bias gets a zero bias (its input
+    untouched), a layer with one a padded row stride (the same values); otherwise the very
+    tensors pass through. Results equal bit for bit."""
     from types import SimpleNamespace
 
     from vllm import _custom_ops as ops
@@ -204,7 +210,7 @@ def test_lent_gemms_get_onednn_keys_of_their_own(monkeypatch):
         return real(handler, x, bias)
 
     monkeypatch.setattr(ops, "onednn_mm", spy)
-    lending = SimpleNamespace(lent=False)
+    lending = SimpleNamespace(rekeyed=False)
     assert patches.patch_lent_gemms(model, lending) == 2
     x = torch.randn(5, 64)
     plain = model[0].cpu_linear(x, model[0].weight, None)
@@ -212,7 +218,7 @@ def test_lent_gemms_get_onednn_keys_of_their_own(monkeypatch):
     h = torch.randn(5, 96)
     plain_b = model[1].cpu_linear(h, model[1].weight, model[1].bias)
     assert seen[-1][0] is h
-    lending.lent = True
+    lending.rekeyed = True
     lent = model[0].cpu_linear(x, model[0].weight, None)
     x_in, bias_in = seen[-1]
     assert x_in is x and bias_in.shape == (96,) and not bias_in.any()
@@ -223,7 +229,7 @@ def test_lent_gemms_get_onednn_keys_of_their_own(monkeypatch):
 
 def test_lent_gemms_leave_other_gemms_a_strided_input():
     """A cpu_linear that is no oneDNN handler's (sgl-kernel, torch's linear) gets the
-    padded row stride while lent, whatever its bias."""
+    padded row stride while rekeyed, whatever its bias."""
     from types import SimpleNamespace
 
     from vllm_saguaro.vllm_glue.lending import LENT_ROW_PAD, onednn_handler
@@ -237,7 +243,7 @@ def test_lent_gemms_leave_other_gemms_a_strided_input():
     model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False))
     model[0].cpu_linear = gemm
     assert onednn_handler(gemm) is None
-    lending = SimpleNamespace(lent=True)
+    lending = SimpleNamespace(rekeyed=True)
     assert patches.patch_lent_gemms(model, lending) == 1
     x = torch.randn(5, 8)
     out = model[0].cpu_linear(x, model[0].weight.detach(), None)

@@ -184,22 +184,28 @@ import json, os, torch
 from vllm_saguaro.core.placement import process_threads
 from vllm_saguaro.vllm_glue.lending import CoreLending, lending_binding
 a, b = int(os.environ["A"]), int(os.environ["B"])
-torch.ones(1 << 20).sum()  # the team of one vLLM's worker starts with
+torch.ones(1 << 20).sum()  # the team vLLM's worker starts with
 lending = CoreLending([b])
-out = {"binding": lending_binding([b]), "own": lending.own}
+out = {"binding": lending_binding([b]), "own": lending.own,
+       "start": [lending.lent, lending.rekeyed, torch.get_num_threads()]}
+lending.give_back()
+torch.ones(1 << 22).sum()
+out["back"] = [torch.get_num_threads(), lending.rekeyed]
 lending.lend()
 torch.ones(1 << 22).sum()
-out["lent"] = [torch.get_num_threads(), sorted({c for t in process_threads() for c in t.cores})]
-lending.give_back()
-out["back"] = torch.get_num_threads()
+out["lent"] = [torch.get_num_threads(), sorted({c for t in process_threads() for c in t.cores}),
+               lending.rekeyed]
 print(json.dumps(out))
 """
 
 
-def test_core_lending_grows_the_team_onto_the_draft_cores_and_back():
+@pytest.mark.parametrize("start", ["whole", "own"])
+def test_core_lending_grows_the_team_onto_the_draft_cores_and_back(start):
     """The target's OpenMP team takes the draft's core while the draft idles, bound there
     by OpenMP from the affinity list vLLM starts the worker with (target's cores, then the
-    draft's), and shrinks back to its own size. A fresh process with GNU OpenMP's list."""
+    draft's), and shrinks back to its own size. A fresh process with GNU OpenMP's list;
+    the team starts whole (as patches.patch_omp_binding starts it: lent, the target's own
+    count in TARGET_THREADS_ENV) or, started by anyone else, with the target's cores."""
     import json
     import os
     import subprocess
@@ -211,16 +217,23 @@ def test_core_lending_grows_the_team_onto_the_draft_cores_and_back():
     if len(cores) < 2:
         pytest.skip("needs two cores")
     a, b = cores[:2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GOMP_CPU_AFFINITY": f"{a} {b}",
-           "A": str(a), "B": str(b)}
+    from vllm_saguaro.vllm_glue.lending import TARGET_THREADS_ENV
+
+    env = {**os.environ, "OMP_NUM_THREADS": "2" if start == "whole" else "1",
+           "GOMP_CPU_AFFINITY": f"{a} {b}", "A": str(a), "B": str(b)}
     env.pop("KMP_AFFINITY", None)
+    env.pop(TARGET_THREADS_ENV, None)
+    if start == "whole":
+        env[TARGET_THREADS_ENV] = "1"
     proc = subprocess.run([sys.executable, "-c", LENDING_SCRIPT], capture_output=True,
                           text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["binding"] and r["own"] == 1
-    assert r["lent"] == [2, [a, b]]  # a thread on each core
-    assert r["back"] == 1
+    whole = start == "whole"
+    assert r["start"] == [whole, False, 2 if whole else 1]
+    assert r["back"] == [1, whole]  # the draft's turn: its core free; rekeyed if not native
+    assert r["lent"] == [2, [a, b], not whole]  # a thread on each core
 
 
 def test_lending_binding_reads_openmps_lists(monkeypatch):

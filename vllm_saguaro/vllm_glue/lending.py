@@ -11,10 +11,16 @@ target's cores and then the draft's, and a team the size of the target's
 (patches.patch_omp_binding), so growing the team with torch's set_num_threads (vLLM's CPU
 worker stubs the torch.set_num_threads wrapper) puts the new threads on the draft's cores.
 The threads stay when the team shrinks (OpenMP parks them) and come back on the next loan.
-vLLM's oneDNN matmuls keep the team size they were created with, so while lent the
-target's linear layers run under oneDNN keys of their own, a zero bias (`lent_bias`) or
-a padded row stride (`lent_input`): primitives made for the lent team
+vLLM's oneDNN matmuls keep the team size they were created with, so in the team size the
+target did not start with its linear layers run under oneDNN keys of their own, a zero
+bias (`lent_bias`) or a padded row stride (`lent_input`): primitives made for that team
 (patches.patch_lent_gemms).
+
+The target starts lent: vLLM starts its worker with the whole team, exactly as plain vLLM
+bound to the same cores (OMP_NUM_THREADS and the affinity list of all of them; the
+target's own count in TARGET_THREADS_ENV), so that the rounds in which the draft idles,
+most of them wherever speculation cannot pay, run the same kernels set up the same way as
+plain vLLM's; the team shrinks to the target's own cores the first time the draft runs.
 """
 from __future__ import annotations
 
@@ -22,6 +28,10 @@ import os
 from functools import lru_cache
 
 import torch
+
+# The target's own thread count, exported to its worker process by patches.patch_omp_binding
+# (OMP_NUM_THREADS there is the whole team's, the draft's cores included).
+TARGET_THREADS_ENV = "SAGUARO_TARGET_THREADS"
 
 # Extra row stride (elements) of a linear layer's input while the cores are lent: 16 floats
 # keep rows 64-byte aligned, and no vLLM caller passes that stride, so the lent team's
@@ -74,10 +84,23 @@ def lending_binding(draft_cores: list[int]) -> bool:
 
 
 class CoreLending:
-    def __init__(self, draft_cores: list[int]):
+    """The target's team: `lent` while it has the draft's cores too. `own` is the target's
+    own count (TARGET_THREADS_ENV, else the team it started with)."""
+
+    def __init__(self, draft_cores: list[int], own: int | None = None):
         self.draft_cores = sorted(draft_cores)
-        self.own = torch.get_num_threads()  # the target's team, on its own cores
-        self.lent = False
+        team = torch.get_num_threads()
+        if own is None:
+            own = int(os.environ.get(TARGET_THREADS_ENV, 0)) or team
+        self.own = own  # the target's team on its own cores
+        self.lent = team >= own + len(self.draft_cores)  # started with the whole team
+        self.native = self.lent  # the team size the target's kernels were set up with
+
+    @property
+    def rekeyed(self) -> bool:
+        """The team is not the size it started with: the target's oneDNN GEMMs go in under
+        keys of their own (patches.patch_lent_gemms)."""
+        return self.lent != self.native
 
     def lend(self) -> None:
         """Grow the target's team onto the draft's cores (idempotent)."""
@@ -90,3 +113,11 @@ class CoreLending:
         if self.lent:
             torch._C.set_num_threads(self.own)
             self.lent = False
+
+
+def keep_off_the_draft_cores() -> None:
+    """No lending after all (patches.patch_omp_binding started the team whole, but this
+    worker cannot lend): the team keeps to the target's own cores for good."""
+    own = int(os.environ.get(TARGET_THREADS_ENV, 0))
+    if own and torch.get_num_threads() > own:
+        torch._C.set_num_threads(own)

@@ -505,10 +505,15 @@ def patch_omp_binding() -> None:
     is kept (the config refused one that overlaps the draft). 'nobind' is respected,
     with a warning that the target may then share the draft's cores.
     With core lending (one rank, Intel or GNU OpenMP, whose affinity lists bind thread i
-    to core i): the list given to OpenMP is the target's cores followed by the draft's,
-    and OMP_NUM_THREADS the target's count, so the team runs on the target's cores, and
-    the threads it adds when the draft lends its cores (torch's set_num_threads) are
-    bound to the draft's cores by OpenMP itself.
+    to core i): the list given to OpenMP is the target's cores followed by the draft's and
+    OMP_NUM_THREADS their count, the environment plain vLLM bound to all of them has, so
+    the target starts lent (lending.py); the team shrinks onto the target's cores, the
+    first of the list, when the draft runs, and the threads it adds back when the draft
+    idles are bound to the draft's cores by OpenMP itself. The target's own count goes to
+    the worker in lending.TARGET_THREADS_ENV. Measured (T = 0, 8 + 8 prompts, two engine
+    starts each, one interleaved run): tok/s 24.3 / 81.1-80.3 / 161.3-179.8 at batch 1 /
+    4 / 16 against 23.7 / 78.1-76.9 / 163.0-178.5 when the team started with the
+    target's cores only, forward at width 1 / 4: 33.1 / 37.5 ms against 34.5 / 38.6.
     """
     from contextlib import contextmanager
 
@@ -550,29 +555,42 @@ def patch_omp_binding() -> None:
     def configure_omp_envs(self, rank: int, local_rank: int):
         with original_envs(self, rank, local_rank):
             threads = getattr(self, "saguaro_threads", None)
-            if threads:  # restored with the others when the context exits
-                import os
+            if not threads:
+                yield
+                return
+            import os
 
-                os.environ["OMP_NUM_THREADS"] = str(threads[local_rank])
-            yield
+            from vllm_saguaro.vllm_glue.lending import TARGET_THREADS_ENV
+
+            saved = os.environ.get(TARGET_THREADS_ENV)
+            os.environ[TARGET_THREADS_ENV] = str(threads[local_rank])
+            try:
+                yield
+            finally:
+                if saved is None:
+                    os.environ.pop(TARGET_THREADS_ENV, None)
+                else:
+                    os.environ[TARGET_THREADS_ENV] = saved
 
     manager.__init__ = __init__
     manager.configure_omp_envs = configure_omp_envs
 
 
 def patch_lent_gemms(model, lending) -> int:
-    """Why: while the draft lends its cores, the target's matmuls must use them too.
+    """Why: the target's team changes size (lending.py), and its matmuls must follow.
 
     vLLM's CPU linear layers (layers/utils.py dispatch_cpu_unquantized_gemm) run oneDNN
     matmuls from a process-wide cache of primitives keyed by the weight's shape and then by
     the input's rows and row stride and the bias's presence and dtype
     (csrc/cpu/dnnl_helper.cpp), and a oneDNN primitive keeps the thread count it was
-    created with. The target's were created with its own team, so after lending.py grew
-    the team its GEMMs, most of a decode step, still ran on one core (measured: a
-    16 x 576 x 1536 matmul 479 us on a team grown to 2, 273 us with a primitive made for
-    the 2). So while lent each linear layer's GEMM goes in under a key of its own, whose
-    primitives are created, once per width, for the lent team; the target's own keys stay
-    one-thread:
+    created with when the team grows (measured: a 16 x 576 x 1536 matmul 479 us on a team
+    grown from 1 to 2, 273 us with a primitive made for the 2; one made for 2 runs on a
+    team shrunk to 1 as fast as one made for 1, and on its core only). The target starts
+    with the whole (lent) team, and its primitives must all be made with it: one made
+    while the draft runs, for a width first seen then, would keep one thread when the
+    team grows back. So while the team has another size (the target's own cores:
+    `lending.rekeyed`) each linear layer's GEMM goes in under a key of its own, whose
+    primitives are created, once per width, for that team:
     - a oneDNN layer without a bias gets a zero bias (`lent_bias`: the same result, bit
       for bit);
     - any other layer's input goes in with a padded row stride (`lending.lent_input`: a
@@ -581,7 +599,7 @@ def patch_lent_gemms(model, lending) -> int:
     16, median of 4 processes): 51.0 ms a step with the zero bias, 56.6 ms with the
     padded stride, 51.9 ms on a team of two from the start, 86.9 ms without a new key.
     Wraps every module's ``cpu_linear`` (set when the weights were processed); returns
-    how many. Eager only in effect: a compiled graph traced the layers unlent.
+    how many. Eager only in effect: a compiled graph traced the layers in the starting team.
     """
     from vllm_saguaro.vllm_glue.lending import lent_bias, lent_input, onednn_handler
 
@@ -589,7 +607,7 @@ def patch_lent_gemms(model, lending) -> int:
         handler = onednn_handler(inner)
 
         def cpu_linear(x, weight, bias):
-            if lending.lent and x.dim() == 2:
+            if lending.rekeyed and x.dim() == 2:
                 if bias is None and handler is not None:
                     bias = lent_bias(handler.n, x.dtype)
                 else:

@@ -163,6 +163,9 @@ class SaguaroProposer:
                         patch_lent_gemms(target_model, self.lending)
             if self.lending is None:  # the draft's controller must not count on it
                 cfg.controller = cfg.controller.model_copy(update={"lend_cores": False})
+                from vllm_saguaro.vllm_glue.lending import keep_off_the_draft_cores
+
+                keep_off_the_draft_cores()
         else:
             check_draft_gpu(cfg, self.target_device)
         sup = cfg.supervision
