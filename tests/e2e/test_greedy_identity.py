@@ -195,3 +195,29 @@ def test_preemption_resyncs_and_stays_identical(tiny_target, spec_base):
     need = len(prompts) * -(-(60 + 60) // 16)
     assert stats["kv_blocks"] <= 2 * need, stats["kv_blocks"]
     assert held["live_seqs"] <= 1 and held["kv_blocks_used"] <= 1, held
+
+
+def test_drafts_ride_the_steps_output(tiny_target, spec_base, reference, monkeypatch):
+    """patches.patch_drafts_ride_the_output: the engine core takes each step's drafts from
+    the step's output, without the take_draft_token_ids call to the worker after every
+    step, and they still reach the scheduler (drafts verified, output identical)."""
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    asked = []
+    rpc = UniProcExecutor.collective_rpc
+
+    def counting(self, method, *args, **kwargs):
+        asked.append(method)
+        return rpc(self, method, *args, **kwargs)
+
+    monkeypatch.setattr(UniProcExecutor, "collective_rpc", counting)
+    ref, _ = reference
+    llm = make_llm(tiny_target, spec_base)
+    before = saguaro_counters(llm)
+    out = [o.outputs[0].token_ids for o in llm.generate(make_prompts(4, 4), make_params(4, 4))]
+    after = saguaro_counters(llm)
+    release(llm)
+    assert out == ref[4]
+    assert asked.count("sample_tokens") > 10 and "take_draft_token_ids" not in asked
+    drafted = "vllm:spec_decode_num_draft_tokens"
+    assert after[drafted] - before.get(drafted, 0) > 0
