@@ -52,6 +52,25 @@ def _check(report, target_busy, draft_busy, target_cores, draft_cores, all_targe
             assert cores <= target_cores or cores <= draft_cores, f"thread spans both: {t}"
 
 
+def _ray_idle_workers(draft_pid: int) -> list[int]:
+    """The idle worker processes ("ray::IDLE") of the raylet that started the draft's."""
+    def stat(pid):
+        text = open(f"/proc/{pid}/stat").read()
+        return text[text.index("(") + 1: text.rindex(")")], int(text[text.rindex(")") + 2:].split()[1])
+
+    raylet = stat(draft_pid)[1]
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                comm, parent = stat(int(name))
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            if parent == raylet and comm.startswith("ray::IDLE"):
+                out.append(int(name))
+    return out
+
+
 @pytest.fixture
 def multiprocess(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # as a user runs it
@@ -69,10 +88,14 @@ def test_multiprocess_engine_threads(tiny_target, spec_base, multiprocess, monke
     try:
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
         report, target_busy, draft_busy = _busy(llm, ["a b c d"] * 4, params)
+        idle_workers = _ray_idle_workers(report["draft_threads"]["pid"])
     finally:
         release(llm)
     assert report["target"]["pid"] != os.getpid(), "expected the worker in its own process"
     _check(report, target_busy, draft_busy, {CORES[0]}, {CORES[-1]})
+    # Ray prestarts no idle worker beside the draft's (it woke ~150 times a second on the
+    # draft's core; make_ray_worker): the raylet's only worker process is the draft's
+    assert idle_workers == [], f"Ray worker processes idling beside the draft: {idle_workers}"
 
 
 def test_in_process_engine_threads(tiny_target, spec_base):
