@@ -35,7 +35,7 @@ def child(mode: str, width: int, steps: int) -> float:
     import torch
     from vllm import _custom_ops as ops
 
-    from vllm_saguaro.vllm_glue.lending import lent_bias, lent_input
+    from vllm_saguaro.vllm_glue.lending import rekey_bias, rekey_input
 
     torch.manual_seed(0)
     handlers = [ops.create_onednn_mm(torch.randn(n, k).t(), 32)
@@ -46,9 +46,9 @@ def child(mode: str, width: int, steps: int) -> float:
         for h in handlers:
             x = xs[h.k]
             if key == "zero-bias":
-                ops.onednn_mm(h, x, lent_bias(h.n, x.dtype))
+                ops.onednn_mm(h, x, rekey_bias(h.n, x.dtype))
             else:
-                ops.onednn_mm(h, lent_input(x) if key == "strided" else x, None)
+                ops.onednn_mm(h, rekey_input(x) if key == "strided" else x, None)
 
     if mode != "two-threads":
         step(None)  # the one-thread primitives vLLM's worker makes first

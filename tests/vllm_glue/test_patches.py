@@ -192,7 +192,7 @@ def test_lent_gemms_get_onednn_keys_of_their_own(monkeypatch):
     from vllm import _custom_ops as ops
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    from vllm_saguaro.vllm_glue.lending import LENT_ROW_PAD, onednn_handler
+    from vllm_saguaro.vllm_glue.lending import REKEY_ROW_PAD, onednn_handler
 
     if not getattr(ops, "_supports_onednn", False):
         pytest.skip("this vLLM build has no oneDNN matmul")
@@ -223,7 +223,7 @@ def test_lent_gemms_get_onednn_keys_of_their_own(monkeypatch):
     x_in, bias_in = seen[-1]
     assert x_in is x and bias_in.shape == (96,) and not bias_in.any()
     lent_b = model[1].cpu_linear(h, model[1].weight, model[1].bias)
-    assert seen[-1][0].stride() == (96 + LENT_ROW_PAD, 1) and torch.equal(seen[-1][0], h)
+    assert seen[-1][0].stride() == (96 + REKEY_ROW_PAD, 1) and torch.equal(seen[-1][0], h)
     assert torch.equal(lent, plain) and torch.equal(lent_b, plain_b)
 
 
@@ -232,7 +232,7 @@ def test_lent_gemms_leave_other_gemms_a_strided_input():
     padded row stride while rekeyed, whatever its bias."""
     from types import SimpleNamespace
 
-    from vllm_saguaro.vllm_glue.lending import LENT_ROW_PAD, onednn_handler
+    from vllm_saguaro.vllm_glue.lending import REKEY_ROW_PAD, onednn_handler
 
     seen = []
 
@@ -247,15 +247,15 @@ def test_lent_gemms_leave_other_gemms_a_strided_input():
     assert patches.patch_lent_gemms(model, lending) == 1
     x = torch.randn(5, 8)
     out = model[0].cpu_linear(x, model[0].weight.detach(), None)
-    assert seen[-1][0].stride() == (8 + LENT_ROW_PAD, 1) and seen[-1][1] is None
+    assert seen[-1][0].stride() == (8 + REKEY_ROW_PAD, 1) and seen[-1][1] is None
     torch.testing.assert_close(out, x @ model[0].weight.detach().t())
 
 
-def test_lent_input_is_a_new_onednn_key_with_the_same_result():
+def test_rekey_input_is_a_new_onednn_key_with_the_same_result():
     """Through vLLM's own oneDNN matmul: the lent input's result equals the contiguous one."""
     from vllm import _custom_ops as ops
 
-    from vllm_saguaro.vllm_glue.lending import lent_input
+    from vllm_saguaro.vllm_glue.lending import rekey_input
 
     if not getattr(ops, "_supports_onednn", False):
         pytest.skip("this vLLM build has no oneDNN matmul")
@@ -263,7 +263,7 @@ def test_lent_input_is_a_new_onednn_key_with_the_same_result():
     handler = ops.create_onednn_mm(w.t(), 32)
     for rows in (1, 3, 16):
         x = torch.randn(rows, 64)
-        torch.testing.assert_close(ops.onednn_mm(handler, lent_input(x), None),
+        torch.testing.assert_close(ops.onednn_mm(handler, rekey_input(x), None),
                                    ops.onednn_mm(handler, x, None))
 
 

@@ -6,21 +6,18 @@ called at all (proposer.py); its core would then sit idle, and the target would 
 on fewer cores than plain vLLM has. So the target's OpenMP team grows onto the draft's
 cores for that time and shrinks back before the draft is called again.
 
-The binding is OpenMP's own: vLLM starts the worker with an affinity list that has the
-target's cores and then the draft's, and a team the size of the target's
-(patches.patch_omp_binding), so growing the team with torch's set_num_threads (vLLM's CPU
-worker stubs the torch.set_num_threads wrapper) puts the new threads on the draft's cores.
-The threads stay when the team shrinks (OpenMP parks them) and come back on the next loan.
-vLLM's oneDNN matmuls keep the team size they were created with, so in the team size the
-target did not start with its linear layers run under oneDNN keys of their own, a zero
-bias (`lent_bias`) or a padded row stride (`lent_input`): primitives made for that team
-(patches.patch_lent_gemms).
-
-The target starts lent: vLLM starts its worker with the whole team, exactly as plain vLLM
-bound to the same cores (OMP_NUM_THREADS and the affinity list of all of them; the
-target's own count in TARGET_THREADS_ENV), so that the rounds in which the draft idles,
-most of them wherever speculation cannot pay, run the same kernels set up the same way as
-plain vLLM's; the team shrinks to the target's own cores the first time the draft runs.
+The target starts lent: vLLM starts its worker exactly as plain vLLM bound to all the
+cores, with an affinity list of the target's cores and then the draft's and a team of all
+of them (patches.patch_omp_binding; the target's own count in TARGET_THREADS_ENV), so the
+rounds in which the draft idles, most of them wherever speculation cannot pay, run the
+same kernels set up the same way as plain vLLM's. The team shrinks to the target's cores,
+the first of the list, before the draft runs, and grows back with torch's
+set_num_threads (vLLM's CPU worker stubs the torch.set_num_threads wrapper): the binding
+is OpenMP's own, so the threads it adds are on the draft's cores. They stay parked while
+the team is shrunk. vLLM's oneDNN matmuls keep the team size they were created with when
+the team grows, so in the team size the target did not start with its linear layers run
+under oneDNN keys of their own, a zero bias (`rekey_bias`) or a padded row stride
+(`rekey_input`): primitives made for that team (patches.patch_lent_gemms).
 """
 from __future__ import annotations
 
@@ -33,24 +30,24 @@ import torch
 # (OMP_NUM_THREADS there is the whole team's, the draft's cores included).
 TARGET_THREADS_ENV = "SAGUARO_TARGET_THREADS"
 
-# Extra row stride (elements) of a linear layer's input while the cores are lent: 16 floats
-# keep rows 64-byte aligned, and no vLLM caller passes that stride, so the lent team's
+# Extra row stride (elements) of a linear layer's input while rekeyed (CoreLending): 16
+# floats keep rows 64-byte aligned, and no vLLM caller passes that stride, so that team's
 # oneDNN primitives get keys of their own (patches.patch_lent_gemms).
-LENT_ROW_PAD = 16
+REKEY_ROW_PAD = 16
 
 
-def lent_input(x: torch.Tensor) -> torch.Tensor:
-    """The same values as the 2-D `x`, in rows LENT_ROW_PAD elements longer than x's."""
+def rekey_input(x: torch.Tensor) -> torch.Tensor:
+    """The same values as the 2-D `x`, in rows REKEY_ROW_PAD elements longer than x's."""
     rows, cols = x.shape
-    padded = torch.empty((rows, cols + LENT_ROW_PAD), dtype=x.dtype, device=x.device)
+    padded = torch.empty((rows, cols + REKEY_ROW_PAD), dtype=x.dtype, device=x.device)
     padded[:, :cols].copy_(x)
     return padded[:, :cols]
 
 
 @lru_cache(maxsize=None)
-def lent_bias(n: int, dtype: torch.dtype) -> torch.Tensor:
+def rekey_bias(n: int, dtype: torch.dtype) -> torch.Tensor:
     """A zero bias of n outputs: adding it changes no value, and a bias is part of vLLM's
-    oneDNN primitive key, so a layer without one gets primitives of its own while lent.
+    oneDNN primitive key, so a layer without one gets primitives of its own while rekeyed.
     One tensor per width and dtype, never written."""
     return torch.zeros(n, dtype=dtype)
 

@@ -639,9 +639,9 @@ def patch_lent_gemms(model, lending) -> int:
     team grows back. So while the team has another size (the target's own cores:
     `lending.rekeyed`) each linear layer's GEMM goes in under a key of its own, whose
     primitives are created, once per width, for that team:
-    - a oneDNN layer without a bias gets a zero bias (`lent_bias`: the same result, bit
+    - a oneDNN layer without a bias gets a zero bias (`rekey_bias`: the same result, bit
       for bit);
-    - any other layer's input goes in with a padded row stride (`lending.lent_input`: a
+    - any other layer's input goes in with a padded row stride (`lending.rekey_input`: a
       copy, the same values).
     Measured (benchmarks/lent_gemms.py, the reference target's 120 layer GEMMs at width
     16, median of 4 processes): 51.0 ms a step with the zero bias, 56.6 ms with the
@@ -649,7 +649,7 @@ def patch_lent_gemms(model, lending) -> int:
     Wraps every module's ``cpu_linear`` (set when the weights were processed); returns
     how many. Eager only in effect: a compiled graph traced the layers in the starting team.
     """
-    from vllm_saguaro.vllm_glue.lending import lent_bias, lent_input, onednn_handler
+    from vllm_saguaro.vllm_glue.lending import rekey_bias, rekey_input, onednn_handler
 
     def wrap(inner):
         handler = onednn_handler(inner)
@@ -657,9 +657,9 @@ def patch_lent_gemms(model, lending) -> int:
         def cpu_linear(x, weight, bias):
             if lending.rekeyed and x.dim() == 2:
                 if bias is None and handler is not None:
-                    bias = lent_bias(handler.n, x.dtype)
+                    bias = rekey_bias(handler.n, x.dtype)
                 else:
-                    x = lent_input(x)
+                    x = rekey_input(x)
             return inner(x, weight, bias)
         return cpu_linear
 
