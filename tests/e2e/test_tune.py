@@ -22,6 +22,11 @@ def test_tune_writes_a_valid_recommended_config(tmp_path, tiny_target, tiny_draf
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "predicted speedup" in proc.stdout and "recommended K=" in proc.stdout
+    # vLLM's log lines (every engine process's) go to the log file, not the terminal
+    log = (tmp_path / "saguaro.tune.log").read_text()
+    assert "Initializing a V1 LLM engine" in log and "vllm_saguaro" in log
+    for text in (proc.stdout, proc.stderr):
+        assert "Initializing a V1 LLM engine" not in text and " INFO " not in text
     result = json.loads(js.read_text())
     costs = result["costs"]
     assert costs["target_fixed_s"] > 0 and costs["target_per_token_s"] >= 0

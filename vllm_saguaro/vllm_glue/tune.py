@@ -288,6 +288,9 @@ def parse_args(argv):
     p.add_argument("--starts", type=int, default=2, help="with --check: engine starts of the "
                    "recommended config and of the target alone, in turn, pooled (default 2)")
     p.add_argument("--json", help="write every measurement and prediction here")
+    p.add_argument("--log-file", help="where vLLM's own log lines go, of every engine tune "
+                   "starts (default: beside --out, NAME.tune.log); the terminal shows "
+                   "tune's progress only")
     args = p.parse_args(argv)
     args.batches = sorted({int(x) for x in args.batches.split(",")})
     args.ks = sorted({int(x) for x in args.ks.split(",")})
@@ -299,19 +302,49 @@ def parse_args(argv):
         p.error("K must be in 1..32")
     if args.starts < 1:
         p.error("--starts must be at least 1")
-    for name in ("out", "json"):  # made now, not after minutes of measuring
+    if not args.log_file:
+        args.log_file = str(Path(args.out).with_suffix(".tune.log"))
+    for name in ("out", "json", "log_file"):  # made now, not after minutes of measuring
         if getattr(args, name):
             try:
                 Path(getattr(args, name)).parent.mkdir(parents=True, exist_ok=True)
             except OSError as e:
-                p.error(f"--{name} {getattr(args, name)!r}: cannot make its directory ({e})")
+                p.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: cannot make "
+                        f"its directory ({e})")
     return args
+
+
+def send_vllm_logs_to(path: str) -> None:
+    """vLLM's log lines go to `path` (appended), in this process and in every engine
+    process started after this (they configure vLLM's logging from
+    VLLM_LOGGING_CONFIG_PATH); progress bars are off (TQDM_DISABLE). Without this each
+    engine start prints some 60 lines of vLLM's, and tune's dozen lines of its own are
+    lost among them."""
+    import logging.config
+    import tempfile
+
+    handler = {"class": "logging.FileHandler", "filename": os.path.abspath(path),
+               "formatter": "plain", "mode": "a"}
+    config = {"version": 1, "disable_existing_loggers": False,
+              "formatters": {"plain": {"format": "%(asctime)s %(process)d %(levelname)s "
+                                                 "%(name)s: %(message)s"}},
+              "handlers": {"file": handler},
+              "loggers": {name: {"handlers": ["file"], "level": "INFO", "propagate": False}
+                          for name in ("vllm", "vllm_saguaro")}}
+    fd, config_path = tempfile.mkstemp(prefix="vllm-saguaro-tune-logging-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(config, f)
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
+    os.environ["TQDM_DISABLE"] = "1"
+    logging.config.dictConfig(config)  # this process's vLLM loggers, if already set up
 
 
 def main(argv=None) -> dict:
     args = parse_args(sys.argv[2:] if argv is None else argv)
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     t0 = time.monotonic()
+    send_vllm_logs_to(args.log_file)
+    log(f"vLLM's own log: {args.log_file}")
     prompts = read_prompts(args.prompts, prompts_needed(args.num_prompts, max(args.batches)))
     log(f"target {args.target}, draft {args.draft}, batches {args.batches}, "
         f"{len(prompts)} prompts x {args.max_tokens} tokens")
