@@ -320,6 +320,7 @@ def send_vllm_logs_to(path: str) -> None:
     VLLM_LOGGING_CONFIG_PATH); progress bars are off (TQDM_DISABLE). Without this each
     engine start prints some 60 lines of vLLM's, and tune's dozen lines of its own are
     lost among them."""
+    import atexit
     import logging.config
     import tempfile
 
@@ -334,6 +335,7 @@ def send_vllm_logs_to(path: str) -> None:
     fd, config_path = tempfile.mkstemp(prefix="vllm-saguaro-tune-logging-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(config, f)
+    atexit.register(lambda: os.path.exists(config_path) and os.remove(config_path))
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
     os.environ["TQDM_DISABLE"] = "1"
     logging.config.dictConfig(config)  # this process's vLLM loggers, if already set up
