@@ -87,10 +87,8 @@ class CoreLending:
     def __init__(self, draft_cores: list[int], own: int | None = None):
         self.draft_cores = sorted(draft_cores)
         team = torch.get_num_threads()
-        if own is None:
-            own = int(os.environ.get(TARGET_THREADS_ENV, 0)) or team
-        self.own = own  # the target's team on its own cores
-        self.lent = team >= own + len(self.draft_cores)  # started with the whole team
+        self.own = own or target_threads() or team  # the target's team on its own cores
+        self.lent = team >= self.own + len(self.draft_cores)  # started with the whole team
         self.native = self.lent  # the team size the target's kernels were set up with
 
     @property
@@ -112,9 +110,14 @@ class CoreLending:
             self.lent = False
 
 
+def target_threads() -> int:
+    """The target's own thread count patches.patch_omp_binding exported (0: not set)."""
+    return int(os.environ.get(TARGET_THREADS_ENV, 0))
+
+
 def keep_off_the_draft_cores() -> None:
     """No lending after all (patches.patch_omp_binding started the team whole, but this
     worker cannot lend): the team keeps to the target's own cores for good."""
-    own = int(os.environ.get(TARGET_THREADS_ENV, 0))
+    own = target_threads()
     if own and torch.get_num_threads() > own:
         torch._C.set_num_threads(own)

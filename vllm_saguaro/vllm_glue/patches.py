@@ -606,19 +606,14 @@ def patch_omp_binding() -> None:
             if not threads:
                 yield
                 return
-            import os
-
+            from vllm_saguaro.core.placement import swap_environ
             from vllm_saguaro.vllm_glue.lending import TARGET_THREADS_ENV
 
-            saved = os.environ.get(TARGET_THREADS_ENV)
-            os.environ[TARGET_THREADS_ENV] = str(threads[local_rank])
+            saved = swap_environ({TARGET_THREADS_ENV: str(threads[local_rank])})
             try:
                 yield
             finally:
-                if saved is None:
-                    os.environ.pop(TARGET_THREADS_ENV, None)
-                else:
-                    os.environ[TARGET_THREADS_ENV] = saved
+                swap_environ(saved)
 
     manager.__init__ = __init__
     manager.configure_omp_envs = configure_omp_envs

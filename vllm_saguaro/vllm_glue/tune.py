@@ -335,7 +335,7 @@ def send_vllm_logs_to(path: str) -> None:
     fd, config_path = tempfile.mkstemp(prefix="vllm-saguaro-tune-logging-", suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(config, f)
-    atexit.register(lambda: os.path.exists(config_path) and os.remove(config_path))
+    atexit.register(Path(config_path).unlink, missing_ok=True)
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
     os.environ["TQDM_DISABLE"] = "1"
     logging.config.dictConfig(config)  # this process's vLLM loggers, if already set up
