@@ -31,6 +31,8 @@ from pathlib import Path
 import requests
 import yaml
 
+from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
+
 MODEL_NAME = "soak"
 
 
@@ -208,13 +210,20 @@ def run_clients(url: str, jobs: list[Job], reference: dict, clients: int, second
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
         t.start()
+    last_print = time.monotonic()
     while any(t.is_alive() for t in threads):
-        time.sleep(min(10.0, max(0.1, deadline - time.monotonic())))
-        if progress:
-            left = max(0, deadline - time.monotonic())
+        # After the deadline the clients finish the requests in flight: poll each second,
+        # print every 10 s (was: a line every 0.1 s, hundreds of them).
+        left = deadline - time.monotonic()
+        time.sleep(min(10.0, left) if left > 0.1 else 1.0)
+        if progress and (time.monotonic() - last_print >= 9.9 or not any(t.is_alive() for t in threads)):
+            last_print = time.monotonic()
+            left = max(0, deadline - last_print)
+            busy = sum(t.is_alive() for t in threads)
             print(f"  {left:5.0f} s left: {tally.ok} ok, {tally.greedy_checked} greedy checked, "
                   f"{tally.disconnected} disconnected, {tally.given_up} given up, "
-                  f"{len(tally.errors)} errors, {len(tally.diffs)} diffs", flush=True)
+                  f"{len(tally.errors)} errors, {len(tally.diffs)} diffs"
+                  + (f", {busy} clients finishing" if left == 0 and busy else ""), flush=True)
         if time.monotonic() > deadline + 900:
             tally.add("error", "clients still busy 15 minutes after the end: a hang")
             break
@@ -291,6 +300,7 @@ def serve(target: str, spec: dict, workdir: Path, extra: list[str] = (), env: di
     log = open(workdir / "server.log", "w")
     env = dict(os.environ, HF_HUB_OFFLINE="1", RAY_AUTH_MODE="disabled", **(env or {}))
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+    env.pop("VLLM_LOGGING_CONFIG_PATH", None)  # the server's whole log goes to server.log
     cmd = [os.path.join(os.path.dirname(sys.executable), "vllm-saguaro"), "serve", target,
            "--speculative-config", str(spec_path), "--port", str(port), "--host", "127.0.0.1",
            "--served-model-name", name, *extra]
@@ -364,6 +374,7 @@ def main() -> None:
                          "leaves the draft idle at large batches, where speculation cannot pay)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/soak"))
     args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the server's log is in --out
     if args.tiny:
@@ -390,7 +401,9 @@ def main() -> None:
     if args.speculate_always:
         spec["controller"] = {"policy": "fixed"}
     jobs = make_jobs(completions, chats, args.jobs, max_tokens=max_tokens)
-    print(f"plain decoding's answers for {sum(j.greedy for j in jobs)} greedy jobs ...", flush=True)
+    send_vllm_logs_to(str(args.out / "reference.log"))
+    print(f"plain decoding's answers for {sum(j.greedy for j in jobs)} greedy jobs "
+          f"(vLLM's log: {args.out / 'reference.log'}) ...", flush=True)
     reference = plain_reference(str(target), jobs, max_model_len=max_len, enforce_eager=True,
                                 seed=0, dtype="float32")
     print(f"server with SSD; {args.clients} clients for {args.minutes} min ...", flush=True)
@@ -403,7 +416,8 @@ def main() -> None:
     print(f"{report['ok']} requests ok ({report['greedy_checked']} greedy checked against plain "
           f"decoding), {report['disconnected']} disconnected, {report['given_up']} given up, "
           f"{len(report['errors'])} errors, {len(report['diffs'])} diffs, problems: "
-          f"{report['problems'] or 'none'}; draft worker RSS {report['draft_rss_mb']} MB. "
+          f"{report['problems'] or 'none'}; draft worker RSS "
+          f"{' -> '.join('?' if mb is None else f'{mb:.0f}' for mb in report['draft_rss_mb'])} MB. "
           f"Report: {args.out / 'soak.json'}")
     sys.exit(1 if bad else 0)
 

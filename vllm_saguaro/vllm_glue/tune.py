@@ -36,6 +36,7 @@ import yaml
 from vllm_saguaro.core.controller import StepCost
 from vllm_saguaro.core.placement import BIND_ENV, swap_environ
 from vllm_saguaro.core.theory import sd_rate, ssd_rate
+from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
 
 # Prompts when the user gives none: mixed chat and code, like the reference pair's sets.
 DEFAULT_PROMPTS = [
@@ -312,33 +313,6 @@ def parse_args(argv):
                 p.error(f"--{name.replace('_', '-')} {getattr(args, name)!r}: cannot make "
                         f"its directory ({e})")
     return args
-
-
-def send_vllm_logs_to(path: str) -> None:
-    """vLLM's log lines go to `path` (appended), in this process and in every engine
-    process started after this (they configure vLLM's logging from
-    VLLM_LOGGING_CONFIG_PATH); progress bars are off (TQDM_DISABLE). Without this each
-    engine start prints some 60 lines of vLLM's, and tune's dozen lines of its own are
-    lost among them."""
-    import atexit
-    import logging.config
-    import tempfile
-
-    handler = {"class": "logging.FileHandler", "filename": os.path.abspath(path),
-               "formatter": "plain", "mode": "a"}
-    config = {"version": 1, "disable_existing_loggers": False,
-              "formatters": {"plain": {"format": "%(asctime)s %(process)d %(levelname)s "
-                                                 "%(name)s: %(message)s"}},
-              "handlers": {"file": handler},
-              "loggers": {name: {"handlers": ["file"], "level": "INFO", "propagate": False}
-                          for name in ("vllm", "vllm_saguaro")}}
-    fd, config_path = tempfile.mkstemp(prefix="vllm-saguaro-tune-logging-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(config, f)
-    atexit.register(Path(config_path).unlink, missing_ok=True)
-    os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
-    os.environ["TQDM_DISABLE"] = "1"
-    logging.config.dictConfig(config)  # this process's vLLM loggers, if already set up
 
 
 def main(argv=None) -> dict:
