@@ -26,13 +26,11 @@ from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, bat
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
-from vllm_saguaro.core.placement import (bind_process, note_ray_client_threads, omp_env,
-                                         process_threads, swap_environ)
+from vllm_saguaro.core.placement import bind_process, process_threads
 from vllm_saguaro.core.sampling import (SamplingSpec, counts_int16, draft_distribution,
                                         quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
                                          select_outcomes)
-from vllm_saguaro.core.supervision import describe
 from vllm_saguaro.core.theory import sd_rate, ssd_rate
 from vllm_saguaro.draft.fork import fanout_roots, outcome_estimates
 from vllm_saguaro.draft.kv import PagedKVCache
@@ -916,62 +914,3 @@ class DraftWorker:
                     for (sk, sv), (k, v) in zip(scratch, new_kv)]
         specs = draws.speculations()
         return [specs[i * nb: i * nb + len(roots[i])] for i in range(n)]
-
-
-OBJECT_STORE_BYTES = 512 * 2**20
-
-
-def make_ray_worker(config: dict, target_vocab_size: int, incarnation: int = 0):
-    """Start the draft worker as a Ray actor (own process; own cores or own GPU).
-    incarnation: 0 for the first worker, n for the n-th restart after a failure."""
-    import ray
-
-    cores = config.get("draft_cpu_cores") if config.get("draft_device", "cpu") == "cpu" else None
-    if not ray.is_initialized():
-        # Ray starts workers at nice 15: the draft would lose its own core to anything else.
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        # Ray's memory monitor kills the newest worker when the machine's memory use passes
-        # 95%; vLLM's CPU KV reservation alone can take most of it, and the draft is then
-        # the one killed. The draft belongs to the server like the target: leave it to the
-        # kernel, as vLLM's own processes are (docs/cpu-thread-placement.md, "Memory").
-        os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
-        # Ray prestarts a worker process for the first driver; the draft's actor never uses
-        # it (its runtime env differs), and it woke ~150 times a second on the draft's core,
-        # which the target borrows while the draft idles (0.6% of a core, measured).
-        os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
-        # Ray's daemons and worker processes inherit the affinity of the thread that
-        # starts them and its OpenMP variables: from the target's worker, the target's
-        # cores. Start them with the draft's instead, so nothing of Ray's runs on the
-        # target's cores (and libgomp is not told to bind to cores it may not use).
-        here, saved = os.sched_getaffinity(0), {}
-        if cores:
-            os.sched_setaffinity(0, set(cores))
-            saved = swap_environ(omp_env(cores))
-        try:
-            # Only small objects cross (outcomes, drafts, q rows): Ray's default object
-            # store would reserve 30% of the machine's memory in /dev/shm.
-            threads = {t.tid for t in process_threads()}
-            ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
-                     configure_logging=False, ignore_reinit_error=True,
-                     object_store_memory=OBJECT_STORE_BYTES)
-            note_ray_client_threads(threads)
-        except Exception as err:
-            raise RuntimeError(
-                f"Saguaro: Ray could not start for the draft worker ({describe(err)}). "
-                f"The draft runs on this machine: unset RAY_ADDRESS (now "
-                f"{os.environ.get('RAY_ADDRESS', 'unset')!r}) or point it at a running "
-                "cluster, and check that /tmp has space for Ray's session files") from None
-        finally:
-            os.sched_setaffinity(0, here)
-            swap_environ(saved)
-    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-    if cores:  # OpenMP's threads on the draft's cores, not the target's inherited OMP_PLACES
-        env.update(omp_env(cores))
-    if os.environ.get(OPS_ENV):
-        env[OPS_ENV] = os.environ[OPS_ENV]
-    fault = os.environ.get(FAULT_ENV, "")
-    if fault:  # set either way: Ray's workers may inherit it from the raylet's start
-        env[FAULT_ENV] = fault if incarnation == 0 or fault.endswith(":always") else ""
-    # Two threads: step() must be able to cut a pre-speculation short (see step()).
-    actor_cls = ray.remote(num_cpus=0, max_concurrency=2)(DraftWorker)
-    return actor_cls.options(runtime_env={"env_vars": env}).remote(config, target_vocab_size)

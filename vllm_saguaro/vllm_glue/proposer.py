@@ -139,7 +139,7 @@ class SaguaroProposer:
     def load_model(self, target_model=None) -> None:
         import ray
 
-        from vllm_saguaro.draft.worker import make_ray_worker
+        from vllm_saguaro.draft.ray_actor import make_ray_worker
 
         cfg = self.cfg.model_copy()
         check_draft_vocabulary(cfg.draft_model, self.vocab_size)  # here, not in the actor
