@@ -34,6 +34,7 @@ from pathlib import Path
 
 from vllm_saguaro.core.placement import BIND_ENV, compute_threads, swap_environ
 from vllm_saguaro.vllm_glue.offline import engine_report, shutdown
+from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "2",
        "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
@@ -980,6 +981,8 @@ def parse_args(argv=None):
     p.add_argument("--project", action="store_true",
                    help="add a GPU projection; alone, re-analyse OUT/latest.json without running")
     p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--log-file", help="where vLLM's own log lines go, of every engine the run "
+                   "starts (default: vllm.log in --out); the terminal gets the benchmark's")
     p.add_argument("--target"), p.add_argument("--draft")
     p.add_argument("--prompts-file", help="JSON lines {set, prompt, chat} instead of the PyPI sets")
     p.add_argument("--prompts-per-set", type=int, help="override the mode's subset size")
@@ -1118,6 +1121,11 @@ def main(argv=None) -> dict | None:
         write_results(result, out)
         return result
     s = apply_overrides(settings_for(args.mode or "quick"), args)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = Path(args.log_file) if args.log_file else out / "vllm.log"
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    send_vllm_logs_to(str(log_file))
+    log(f"vLLM's own log: {log_file}")
     target, draft = resolve_models(args)
     prompts = load_prompts(args, target, s)
     log(f"{s.mode}: {len(plan_systems(s))} systems, sets {', '.join(f'{k}={len(v)}' for k, v in prompts.items())}, "

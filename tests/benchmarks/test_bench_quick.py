@@ -38,6 +38,11 @@ def test_quick_mode_writes_results(tmp_path, tiny_target, tiny_draft):
         cmd += ["--ld-preload", "none"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # vLLM's log lines (every engine's) in the file, the terminal the benchmark's own
+    vllm_log = (out / "vllm.log").read_text()
+    assert "vllm" in vllm_log and "INFO" in vllm_log, vllm_log[:500]
+    assert " INFO " not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    assert "[bench" in proc.stdout
 
     result = json.loads((out / "latest.json").read_text())
     recs = result["records"]
