@@ -138,9 +138,9 @@ def main() -> None:
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) < 2:
         raise SystemExit("needs 2 cores: the target on both, Ray's daemons on the last")
-    libs = subprocess.run(["bash", str(ROOT / "scripts" / "cpu_env.sh")], capture_output=True,
-                          text=True).stdout.strip()
-    os.environ.update({"LD_PRELOAD": libs, "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}",
+    from benchmarks.run import resolve_preload
+
+    os.environ.update({"LD_PRELOAD": resolve_preload("docs"), "VLLM_CPU_OMP_THREADS_BIND": f"{cores[0]}-{cores[-1]}",
                        "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"})
     from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
 

@@ -1121,7 +1121,6 @@ def main(argv=None) -> dict | None:
         write_results(result, out)
         return result
     s = apply_overrides(settings_for(args.mode or "quick"), args)
-    out.mkdir(parents=True, exist_ok=True)
     log_file = Path(args.log_file) if args.log_file else out / "vllm.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     send_vllm_logs_to(str(log_file))
