@@ -76,6 +76,7 @@ class System:
     policy: str | None = None   # SSD's fan-out policy (None: the plugin's default)
     controller: str | None = None   # the plugin's controller policy (None: its default, auto)
     schedule: tuple | None = None   # vLLM's num_speculative_tokens_per_batch_size
+    runtime: str | None = None      # the plugin's draft_runtime (None: its default)
 
     @property
     def plugin(self) -> bool:
@@ -102,6 +103,8 @@ class System:
             name += "-" + self.controller
         if self.schedule:
             name += "-sched"
+        if self.runtime:
+            name += "-" + self.runtime
         return name + ("-2c" if self.cores == 2 else "")
 
     def spec(self, draft: str, s: "Settings") -> dict | None:
@@ -121,6 +124,8 @@ class System:
             spec["controller"] = {"policy": self.controller}
         if self.schedule:
             spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in self.schedule]
+        if self.runtime:
+            spec["draft_runtime"] = self.runtime
         if self.kind == "ssd":
             spec["fanout"] = {"budget": self.budget}
             if self.policy:  # uniform at equal budget: budget / (K + 1) per accepted length
@@ -197,7 +202,9 @@ def plan_systems(s: Settings) -> list[System]:
         systems += [System("ssd", k, budget=s.budget, controller="fixed"),
                     System("ssd", k, budget=s.budget, controller="fixed",
                            schedule=s.schedule or SCHEDULE),
-                    System("sync_sd", k, controller="fixed")]
+                    System("sync_sd", k, controller="fixed"),
+                    # the draft as a Ray actor, the CPU runtime before the child process
+                    System("ssd", k, budget=s.budget, runtime="ray")]
     if s.systems:
         unknown = set(s.systems) - {x.name for x in systems}
         if unknown:

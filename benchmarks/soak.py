@@ -333,12 +333,14 @@ def serve(target: str, spec: dict, workdir: Path, extra: list[str] = (), env: di
 
 
 def draft_worker_rss_mb(server_pid: int) -> float | None:
-    """Resident memory of the server's ray::DraftWorker process, MB (None if not found)."""
+    """Resident memory of the server's draft worker process, MB (None if not found)."""
     import psutil
+
+    from vllm_saguaro.draft.process_actor import is_draft_worker
 
     for p in psutil.process_iter(["cmdline", "pid"]):
         try:
-            if "ray::DraftWorker" in " ".join(p.info["cmdline"] or []) and os.getsid(p.pid) == os.getsid(server_pid):
+            if is_draft_worker(" ".join(p.info["cmdline"] or [])) and os.getsid(p.pid) == os.getsid(server_pid):
                 return p.memory_info().rss / 2**20
         except (psutil.Error, ProcessLookupError):
             continue

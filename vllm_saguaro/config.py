@@ -158,11 +158,17 @@ class SaguaroConfig(BaseModel):
     force_cache_miss: bool = Field(
         False, description="testing switch: every lookup misses, so the fallback drafts"
     )
+    draft_runtime: Literal["auto", "process", "ray"] = Field(
+        "auto", description="what runs the draft worker: 'process' = a child process of the "
+        "target's worker (no daemons beside the target: Ray idle cost plain decoding 2-3% on "
+        "CPU), 'ray' = a Ray actor. auto = process when draft_device is cpu, else ray"
+    )
     transport: Literal["auto", "ray", "channel"] = Field(
         "auto", description="how q crosses from the draft to the target each round: 'ray' "
-        "in the step call's reply (host memory); 'channel' over a 2-rank torch.distributed "
-        "group of their own (NCCL between GPUs, device to device; gloo otherwise), Ray "
-        "carrying only the call. auto = channel when draft_device is a GPU, else ray"
+        "in the step call's reply (host memory, with either draft_runtime); 'channel' over a "
+        "2-rank torch.distributed group of their own (NCCL between GPUs, device to device; "
+        "gloo otherwise), the runtime carrying only the call. auto = channel when "
+        "draft_device is a GPU, else ray"
     )
     log_stats_interval_s: float = Field(10.0, ge=0.0, description="0 disables the SSD log line")
 

@@ -129,7 +129,8 @@ import sys
 from vllm import LLM
 try:
     LLM(model=sys.argv[1], speculative_config={"method": "saguaro", "draft_model": sys.argv[2],
-        "num_speculative_tokens": 3}, enforce_eager=True, max_model_len=256)
+        "num_speculative_tokens": 3, "draft_runtime": "ray"}, enforce_eager=True,
+        max_model_len=256)
 except Exception as err:
     print("ERROR:", err)
     sys.exit(3)
@@ -137,9 +138,12 @@ except Exception as err:
 
 
 def test_ray_unable_to_start_is_one_clear_error(tiny_target, tiny_draft):
-    """RAY_ADDRESS=auto with no Ray cluster running (a user's stray setting): the engine
-    refuses to start, at once, saying that Ray could not start and what to check."""
-    env = dict(os.environ, RAY_ADDRESS="auto", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    """draft_runtime 'ray' and RAY_ADDRESS naming a cluster that is not there (a user's
+    stray setting): the engine refuses to start, at once, saying that Ray could not start
+    and what to check. (The CPU default, a child process, does not use Ray. The address
+    is a port nothing listens on, not 'auto': 'auto' joins any Ray cluster still up on
+    the machine, such as one a Ray engine test left shutting down.)"""
+    env = dict(os.environ, RAY_ADDRESS="127.0.0.1:9", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", RAY_SCRIPT, str(tiny_target), str(tiny_draft)],
                           capture_output=True, text=True, env=env, timeout=300)

@@ -2,9 +2,10 @@
 
 The threads that did the work (CPU time during generation) must be on their side's cores;
 every thread of the draft worker's process is on the draft's cores, and no thread of the
-target's worker may run on both sides (Ray's client threads there, which carry the calls to
-the draft, start on the draft's: they are marked when ray.init starts them and may be busy
-there, on those cores only). A
+target's worker may run on both sides (with draft_runtime 'ray', Ray's client threads there,
+which carry the calls to the draft, start on the draft's: they are marked when ray.init
+starts them and may be busy there, on those cores only; the default CPU runtime, a child
+process, leaves none). A
 multiprocess engine is started as a user starts it (vLLM's default), once with vLLM's auto
 binding and once with the user's own VLLM_CPU_OMP_THREADS_BIND; the in-process engine,
 which vLLM does not bind, is checked too.
@@ -34,7 +35,8 @@ def _busy(llm, prompts, params):
                             wall, share=0.01))
 
 
-def _check(report, target_busy, draft_busy, target_cores, draft_cores, all_target=True):
+def _check(report, target_busy, draft_busy, target_cores, draft_cores, all_target=True,
+           runtime="process"):
     assert report["metrics"]["rounds"] > 0, "SSD did not run"
     assert target_busy, "no thread of the target did any work?"
     assert draft_busy, "no thread of the draft worker did any work?"
@@ -43,7 +45,10 @@ def _check(report, target_busy, draft_busy, target_cores, draft_cores, all_targe
         assert set(t["cores"]) <= cores, f"target process thread off its cores: {t}"
     assert any(not t["ray_client"] for t in target_busy), "no target compute thread busy?"
     ray_threads = [t for t in report["target"]["threads"] if t["ray_client"]]
-    assert ray_threads, "Ray's client threads in the target's process not found"
+    if runtime == "ray":
+        assert ray_threads, "Ray's client threads in the target's process not found"
+    else:
+        assert not ray_threads, "Ray started in the target's process without draft_runtime 'ray'"
     for t in report["draft_threads"]["threads"]:  # all of them, Ray's own threads too
         assert set(t["cores"]) <= draft_cores, f"draft thread off its cores: {t}"
     if all_target:  # no thread of the worker may roam: the target's, or Ray's client
@@ -52,12 +57,15 @@ def _check(report, target_busy, draft_busy, target_cores, draft_cores, all_targe
             assert cores <= target_cores or cores <= draft_cores, f"thread spans both: {t}"
 
 
+def _stat(pid: int) -> tuple[str, int]:
+    """A process's name and its parent's pid."""
+    text = open(f"/proc/{pid}/stat").read()
+    return text[text.index("(") + 1: text.rindex(")")], int(text[text.rindex(")") + 2:].split()[1])
+
+
 def _ray_idle_workers(draft_pid: int) -> list[int]:
     """The idle worker processes ("ray::IDLE") of the raylet that started the draft's."""
-    def stat(pid):
-        text = open(f"/proc/{pid}/stat").read()
-        return text[text.index("(") + 1: text.rindex(")")], int(text[text.rindex(")") + 2:].split()[1])
-
+    stat = _stat
     raylet = stat(draft_pid)[1]
     out = []
     for name in os.listdir("/proc"):
@@ -76,23 +84,28 @@ def multiprocess(monkeypatch):
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # as a user runs it
 
 
-@pytest.mark.parametrize("bind", [None, "0"])
-def test_multiprocess_engine_threads(tiny_target, spec_base, multiprocess, monkeypatch, bind):
+@pytest.mark.parametrize("bind,runtime", [(None, "process"), ("0", "process"), (None, "ray")])
+def test_multiprocess_engine_threads(tiny_target, spec_base, multiprocess, monkeypatch, bind,
+                                     runtime):
     from vllm import SamplingParams
 
     if bind is None:
         monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     else:
         monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", bind)
-    llm = make_llm(tiny_target, spec_base)
+    llm = make_llm(tiny_target, dict(spec_base, draft_runtime=runtime))
     try:
         params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
         report, target_busy, draft_busy = _busy(llm, ["a b c d"] * 4, params)
-        idle_workers = _ray_idle_workers(report["draft_threads"]["pid"])
+        draft_pid = report["draft_threads"]["pid"]
+        parent = _stat(draft_pid)[1]
+        idle_workers = _ray_idle_workers(draft_pid) if runtime == "ray" else []
     finally:
         release(llm)
     assert report["target"]["pid"] != os.getpid(), "expected the worker in its own process"
-    _check(report, target_busy, draft_busy, {CORES[0]}, {CORES[-1]})
+    _check(report, target_busy, draft_busy, {CORES[0]}, {CORES[-1]}, runtime=runtime)
+    if runtime == "process":  # the target's worker started it: no raylet between them
+        assert parent == report["target"]["pid"]
     # Ray prestarts no idle worker beside the draft's (it woke ~150 times a second on the
     # draft's core; make_ray_worker): the raylet's only worker process is the draft's
     assert idle_workers == [], f"Ray worker processes idling beside the draft: {idle_workers}"

@@ -14,6 +14,7 @@ import requests
 
 from benchmarks.soak import serve
 from tests.e2e.conftest import make_llm, release
+from vllm_saguaro.draft.process_actor import is_draft_worker
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +98,8 @@ def test_server_threads_target_and_draft_on_their_own_cores(server):
         pytest.skip("SSD on CPU needs 2 cores")
     url, proc, _ = server
     procs = _session_processes(proc.pid)
-    worker = [p for p, a in procs.items() if "Worker" in a and "DraftWorker" not in a]
-    draft = [p for p, a in procs.items() if "ray::DraftWorker" in a]
+    worker = [p for p, a in procs.items() if "Worker" in a and not is_draft_worker(a)]
+    draft = [p for p, a in procs.items() if is_draft_worker(a)]
     assert len(worker) == 1 and len(draft) == 1, procs
     before = {p: sum(t.cpu_s for t in process_threads(p)) for p in worker + draft}
     r = requests.post(url + "/v1/completions", timeout=120, json={
@@ -131,7 +132,7 @@ def test_server_survives_the_draft_process_killed_mid_stream(server, tiny_target
     the ones after it complete with plain decoding's text, the failure is counted on
     /metrics, and a new draft worker takes over."""
     url, proc, _ = server
-    draft = [p for p, a in _session_processes(proc.pid).items() if "ray::DraftWorker" in a]
+    draft = [p for p, a in _session_processes(proc.pid).items() if is_draft_worker(a)]
     assert len(draft) == 1
     failures = _metric(url, "vllm:saguaro_draft_failures_total")
     body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 300, "temperature": 0,
@@ -167,7 +168,7 @@ def test_server_survives_the_draft_process_killed_mid_stream(server, tiny_target
         "ignore_eos": True})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref[1].outputs[0].text
     assert _metric(url, "vllm:spec_decode_num_drafts_total") > drafts, "speculation did not resume"
-    alive = [p for p, a in _session_processes(proc.pid).items() if "ray::DraftWorker" in a]
+    alive = [p for p, a in _session_processes(proc.pid).items() if is_draft_worker(a)]
     assert len(alive) == 1 and alive != draft
 
 
@@ -182,6 +183,5 @@ def test_server_stops_cleanly(server):
     assert "vllm_saguaro" not in "".join(
         line for line in text.splitlines(keepends=True) if "File " in line or "Error" in line)
     time.sleep(2)
-    alive = subprocess.run(["pgrep", "-f", "ray::DraftWorker", "-s", str(proc.pid)],
-                           capture_output=True, text=True).stdout.split()
+    alive = [p for p, a in _session_processes(proc.pid).items() if is_draft_worker(a)]
     assert not alive, f"draft worker processes left behind: {alive}"

@@ -141,17 +141,15 @@ def test_a_batch_arriving_keeps_the_draft_out_and_the_cores_lent():
                         [[5], [4], [3]], set(), None)
 
 
-def test_an_empty_batch_leaves_the_cores_to_a_running_prespeculation(monkeypatch):
-    import ray
-
+def test_an_empty_batch_leaves_the_cores_to_a_running_prespeculation():
     p = idle_proposer(None)
     p.supervisor = _Supervisor()
     p.lending = _Lending()
     p.pending = object()
-    monkeypatch.setattr(ray, "wait", lambda refs, timeout: ([], refs))
+    p.supervisor.ready = lambda ref: False
     p.release()
     assert not p.lending.lent
-    monkeypatch.setattr(ray, "wait", lambda refs, timeout: (refs, []))
+    p.supervisor.ready = lambda ref: ref is p.pending
     p.release()
     assert p.lending.lent
 

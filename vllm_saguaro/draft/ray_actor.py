@@ -12,7 +12,7 @@ import os
 
 from vllm_saguaro.core.placement import note_ray_client_threads, omp_env, process_threads, swap_environ
 from vllm_saguaro.core.supervision import describe
-from vllm_saguaro.draft.worker import FAULT_ENV, OPS_ENV, DraftWorker
+from vllm_saguaro.draft.worker import DraftWorker, worker_env
 
 # Only small objects cross (outcomes, drafts, q rows): Ray's default object store would
 # reserve 30% of the machine's memory in /dev/shm.
@@ -72,14 +72,33 @@ def make_ray_worker(config: dict, target_vocab_size: int, incarnation: int = 0):
     cores = config.get("draft_cpu_cores") if config.get("draft_device", "cpu") == "cpu" else None
     if not ray.is_initialized():
         start_ray(cores)
-    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}
-    if cores:  # OpenMP's threads on the draft's cores, not the target's inherited OMP_PLACES
-        env.update(omp_env(cores))
-    if os.environ.get(OPS_ENV):
-        env[OPS_ENV] = os.environ[OPS_ENV]
-    fault = os.environ.get(FAULT_ENV, "")
-    if fault:  # set either way: Ray's workers may inherit it from the raylet's start
-        env[FAULT_ENV] = fault if incarnation == 0 or fault.endswith(":always") else ""
+    env = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", **worker_env(cores, incarnation)}
     # Two threads: step() must be able to cut a pre-speculation short (see step()).
     actor_cls = ray.remote(num_cpus=0, max_concurrency=2)(DraftWorker)
     return actor_cls.options(runtime_env={"env_vars": env}).remote(config, target_vocab_size)
+
+
+class RayRuntime:
+    """The supervisor's runtime for a Ray actor (vllm_glue/supervisor.py)."""
+
+    name = "ray"
+    start = staticmethod(make_ray_worker)
+
+    @staticmethod
+    def get(ref, timeout: float | None):
+        import ray
+
+        return ray.get(ref, timeout=timeout)
+
+    @staticmethod
+    def ready(ref) -> bool:
+        import ray
+
+        return bool(ray.wait([ref], timeout=0)[0])
+
+    @staticmethod
+    def kill(actor) -> None:
+        import ray
+
+        if ray.is_initialized():  # after ray.shutdown, ray.kill would start a new cluster
+            ray.kill(actor, no_restart=True)

@@ -6,7 +6,8 @@ Round protocol (driven by the target side, see vllm_glue/proposer.py):
   prespeculate()           -> while the target verifies that speculation: glue pass, fork
                               the likely outcomes, tree-decode K tokens for every branch.
 In synchronous mode (``async: false``) prespeculate is never called: plain SD.
-The class is plain Python; RayDraftWorker wraps it as an actor on a device of its own.
+The class is plain Python; draft/process_actor.py runs it in a process of its own (CPU),
+draft/ray_actor.py as a Ray actor (GPU), each on a device of its own.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, bat
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
-from vllm_saguaro.core.placement import bind_process, process_threads
+from vllm_saguaro.core.placement import bind_process, omp_env, process_threads
 from vllm_saguaro.core.sampling import (SamplingSpec, counts_int16, draft_distribution,
                                         quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
@@ -62,6 +63,21 @@ FAULT_ENV = "SAGUARO_FAULT_INJECTION"
 # (benchmarks/ops_timing.py). "1" runs the ops (their torch references) on CPU too, so that
 # the tests drive the path a GPU takes through the real engine.
 OPS_ENV = "SAGUARO_DRAFT_OPS"
+
+
+def worker_env(cores: list[int] | None, incarnation: int) -> dict[str, str]:
+    """What a draft worker's process gets added to the target's environment, in either
+    runtime (draft/ray_actor.py, draft/process_actor.py): OpenMP bound to the draft's
+    cores (not the target's inherited OMP_PLACES), the test switches passed on, and a
+    fault injected into the first worker only (incarnation 0) unless ':always'."""
+    env = omp_env(cores) if cores else {}
+    if os.environ.get(OPS_ENV):
+        env[OPS_ENV] = os.environ[OPS_ENV]
+    fault = os.environ.get(FAULT_ENV, "")
+    if fault:  # set either way: a worker process may inherit it from whoever started it
+        env[FAULT_ENV] = fault if incarnation == 0 or fault.endswith(":always") else ""
+    return env
+
 
 # Windows longer than this (prefills, resyncs) run one sequence at a time, so that one
 # long prompt does not pad every other sequence of the batch to its length.
@@ -125,7 +141,7 @@ def bind_to_cores(cores: list[int]) -> None:
 
     Every thread of the actor's process is moved (Ray's own threads too: they are started
     before this runs, and a process started from the target's worker inherits its
-    binding); OpenMP's pool was bound to these cores by the environment make_ray_worker
+    binding); OpenMP's pool was bound to these cores by the environment worker_env
     gave the process."""
     bind_process(cores)
     torch.set_num_threads(len(cores))

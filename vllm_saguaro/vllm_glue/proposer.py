@@ -59,6 +59,21 @@ def channel_backend(cfg: SaguaroConfig, target_device) -> str | None:
     return "nccl" if on_gpu and str(target_device).startswith("cuda") else "gloo"
 
 
+def draft_runtime(cfg: SaguaroConfig):
+    """What runs the draft worker (config 'draft_runtime'): a child process on CPU, where
+    an idle Ray cluster beside the target cost plain decoding 2-3%; Ray for a GPU draft."""
+    name = cfg.draft_runtime
+    if name == "auto":
+        name = "process" if cfg.draft_device == "cpu" else "ray"
+    if name == "process":
+        from vllm_saguaro.draft.process_actor import ProcessRuntime
+
+        return ProcessRuntime
+    from vllm_saguaro.draft.ray_actor import RayRuntime
+
+    return RayRuntime
+
+
 def payload_bytes(updates: list, results: list) -> int:
     """What a round moves between target and draft: 4 bytes a token id (outcomes out,
     resync prompts out, drafts back), a byte a hit flag, q's uint16 counts back."""
@@ -137,10 +152,6 @@ class SaguaroProposer:
 
     # vLLM calls this once the target is loaded; the draft starts then, on its own device.
     def load_model(self, target_model=None) -> None:
-        import ray
-
-        from vllm_saguaro.draft.ray_actor import make_ray_worker
-
         cfg = self.cfg.model_copy()
         check_draft_vocabulary(cfg.draft_model, self.vocab_size)  # here, not in the actor
         if cfg.draft_device == "cpu":
@@ -172,21 +183,23 @@ class SaguaroProposer:
         policy = RestartPolicy(floor_s=sup.timeout_s, factor=sup.timeout_factor,
                                base_s=sup.restart_s, max_s=sup.restart_max_s)
         worker_config = cfg.to_json_dict()
+        runtime = draft_runtime(cfg)
         self.supervisor = DraftSupervisor(
-            lambda incarnation: make_ray_worker(worker_config, self.vocab_size, incarnation),
-            policy, on_event=self.metrics.record_draft_event)
+            lambda incarnation: runtime.start(worker_config, self.vocab_size, incarnation),
+            runtime, policy, on_event=self.metrics.record_draft_event)
         self.supervisor.start()  # surface load errors (bad checkpoint, vocab) now
         self._connect_channel()
-        head = ray.get(self.actor.head_ids.remote())  # where q's columns go in the vocabulary
+        # where q's columns go in the vocabulary
+        head = self.supervisor.get(self.actor.head_ids.remote(), "head_ids")
         self.head_ids = None if head is None else torch.tensor(head, dtype=torch.long)
         weakref.finalize(self, self.supervisor.shutdown)
-        logger.info("Saguaro draft worker ready (%s, cores %s, K=%d, fan-out %s, async=%s)",
-                    cfg.draft_device, cfg.draft_cpu_cores, cfg.num_speculative_tokens,
-                    cfg.fanout.policy, cfg.async_)
+        logger.info("Saguaro draft worker ready (%s, cores %s, %s, K=%d, fan-out %s, async=%s)",
+                    cfg.draft_device, cfg.draft_cpu_cores, runtime.name,
+                    cfg.num_speculative_tokens, cfg.fanout.policy, cfg.async_)
 
     @property
     def actor(self):
-        """The draft worker's Ray actor now (None while it is down)."""
+        """The draft worker's handle now (None while it is down)."""
         return self.supervisor.actor if self.supervisor is not None else None
 
     def propose(self, *args, **kwargs):
@@ -205,8 +218,6 @@ class SaguaroProposer:
         sampling_of(req_id) gives a new request's SamplingSpec; k_cap: the most tokens a
         row may send this step (vLLM's num_speculative_tokens_per_batch_size).
         """
-        import ray
-
         if self.supervisor is None:
             self.load_model()
         start = time.perf_counter()
@@ -261,10 +272,9 @@ class SaguaroProposer:
         t0 = time.perf_counter()
         try:
             if self.pending is not None:  # the last pre-speculation: surface its failure
-                done, _ = ray.wait([self.pending], timeout=0)
-                if done:
-                    self.pending = None
-                    self.supervisor.get(done[0], "pre-speculation")
+                if self.supervisor.ready(self.pending):
+                    pending, self.pending = self.pending, None
+                    self.supervisor.get(pending, "pre-speculation")
             prefill = sum(len(u[2]) for u in updates if u[2] is not None)
             results, waited, computed, limit = self.supervisor.get(self.actor.step.remote(
                 updates, sorted(finished), self.target_steps, k_cap), "step", prefill) \
@@ -338,9 +348,7 @@ class SaguaroProposer:
         if self.lending is None:
             return False
         if not self.lending.lent and self.pending is not None:
-            import ray
-
-            if not ray.wait([self.pending], timeout=0)[0]:
+            if not self.supervisor.ready(self.pending):
                 return False
         self.lending.lend()
         return True
@@ -411,7 +419,7 @@ class SaguaroProposer:
     def _receive_q(self, results: list) -> list:
         """transport 'channel': the reply says how many q rows each sequence has; they
         arrive as one tensor over the channel (already sent when the reply came)."""
-        if self.channel is None:  # Ray's reply: q came in it, as uint16 arrays
+        if self.channel is None:  # the call's reply: q came in it, as uint16 arrays
             return results
         n = sum(q for _, _, q in results if q is not None)
         if not n:

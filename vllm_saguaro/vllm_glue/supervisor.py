@@ -1,7 +1,9 @@
 """The draft worker's keeper on the target's side: every call has a deadline, a failure
 turns speculation off, and a new worker starts in the background.
 
-The proposer reaches the draft only through `get`. A worker that died (its process
+The proposer reaches the draft only through `get` (and `ready` for a call it does not
+wait on); the runtime (draft/process_actor.py's ProcessRuntime on CPU, draft/ray_actor.py's
+RayRuntime) starts the worker and carries the calls. A worker that died (its process
 killed), raised, or did not answer within the deadline (core/supervision.py: derived from
 its recent replies) is killed for good and counted; until a new one has started, the
 proposer decodes plainly: the round in progress sends no draft tokens, so nothing already
@@ -24,10 +26,11 @@ class DraftUnavailable(RuntimeError):
 
 
 class DraftSupervisor:
-    def __init__(self, start: Callable[[int], object], policy: RestartPolicy,
+    def __init__(self, start: Callable[[int], object], runtime, policy: RestartPolicy,
                  on_event: Callable[[str], None] = lambda event: None,
                  startup_timeout_s: float = 300.0):
-        self._start = start            # start(incarnation) -> a new worker's actor handle
+        self._start = start            # start(incarnation) -> a new worker's handle
+        self.runtime = runtime         # get / ready / kill for the handles start() makes
         self.policy = policy
         self.on_event = on_event       # "failure" / "restart": for the metrics
         self.startup_timeout_s = startup_timeout_s
@@ -44,25 +47,25 @@ class DraftSupervisor:
     def start(self) -> None:
         """The first worker, waited for: a bad checkpoint or config fails the engine's
         start with the worker's own error, not a silent fallback."""
-        import ray
-
         self.actor = self._start(0)
-        ray.get(self.actor.ping.remote())
+        self.runtime.get(self.actor.ping.remote(), None)
         self.policy.started(time.monotonic())
 
     def get(self, ref, what: str, prefill_tokens: int = 0):
-        """ray.get within the deadline (longer for a reply that prefills that many tokens).
-        On failure: the worker is down, DraftUnavailable."""
-        import ray
-
+        """The call's reply within the deadline (longer for a reply that prefills that many
+        tokens). On failure: the worker is down, DraftUnavailable."""
         t0 = time.perf_counter()
         try:
-            value = ray.get(ref, timeout=self.policy.deadline(prefill_tokens))
+            value = self.runtime.get(ref, self.policy.deadline(prefill_tokens))
         except Exception as error:  # died, raised, timed out: all end in a plain round
             self.failed(f"{what}: {describe(error)}")
             raise DraftUnavailable(self.last_cause) from error
         self.policy.replied(time.perf_counter() - t0)
         return value
+
+    def ready(self, ref) -> bool:
+        """Whether a call's reply (or its failure) is in, without waiting."""
+        return self.runtime.ready(ref)
 
     def failed(self, cause: str) -> None:
         delay = self.policy.fail(time.monotonic())
@@ -77,8 +80,6 @@ class DraftSupervisor:
         """Whether the worker can be called this round; moves a restart along (never waits)."""
         if self.up:
             return True
-        import ray
-
         now = time.monotonic()
         if self.policy.restart_due(now):
             self.policy.starting()
@@ -91,13 +92,12 @@ class DraftSupervisor:
                 return False
         if self.policy.state != "starting":
             return False
-        done, _ = ray.wait([self._ready], timeout=0)
-        if not done:
+        if not self.runtime.ready(self._ready):
             if now - self._starting_since > self.startup_timeout_s:
                 self.failed(f"restart: no answer within {self.startup_timeout_s:.0f} s")
             return False
         try:
-            ray.get(done[0])
+            self.runtime.get(self._ready, 0)
         except Exception as error:
             self.failed(f"restart: {describe(error)}")
             return False
@@ -111,17 +111,11 @@ class DraftSupervisor:
     def _kill(self) -> None:
         actor, self.actor, self._ready = self.actor, None, None
         if actor is not None:
-            kill(actor)
+            try:
+                self.runtime.kill(actor)
+            except Exception:  # interpreter shutdown: Ray may already be gone
+                pass
 
     def shutdown(self) -> None:
         self._kill()
 
-
-def kill(actor) -> None:
-    try:
-        import ray
-
-        if ray.is_initialized():  # after ray.shutdown, ray.kill would start a new cluster
-            ray.kill(actor, no_restart=True)
-    except Exception:  # interpreter shutdown: Ray may already be gone
-        pass
