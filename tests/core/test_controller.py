@@ -180,3 +180,15 @@ def test_realized_rate_is_known_after_enough_rounds_and_forgotten_after_ttl():
     assert r.rate(4, 22.0) == pytest.approx(2.0)
     r.observe(4, tokens=9, seconds=0.0, now=22.0)  # no time: ignored
     assert r.rate(4, 22.0) == pytest.approx(2.0)
+
+
+def test_a_catch_up_pays_only_if_the_gain_repays_it_within_the_horizon():
+    from vllm_saguaro.core.controller import CATCH_UP_HORIZON_S, catch_up_pays
+
+    # 10 tokens/s lost for 1 s: a gain of 2 tokens/s repays it in 5 s, 1.9 does not
+    assert catch_up_pays(2.0, 1.0, 10.0, horizon_s=5.0)
+    assert not catch_up_pays(1.9, 1.0, 10.0, horizon_s=5.0)
+    assert catch_up_pays(0.1, 0.0, 10.0)           # nothing to catch up
+    assert catch_up_pays(0.1, 3.0, 0.0)            # nothing lost meanwhile (no lending)
+    assert catch_up_pays(0.1, 3.0, -5.0)           # the lent cores were no faster
+    assert not catch_up_pays(0.0, 1.0, 1.0) and CATCH_UP_HORIZON_S > 0

@@ -510,3 +510,41 @@ def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
     bonus = hf_greedy(hf, p + bonus + results[0][0], 1)
     results, _, _, idle = w.step([("a", bonus, None, None)], [], fast * 4)
     assert idle is not None and not idle.probe and results[0][0] == []
+
+
+def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(tiny_target):
+    """_idle_limit with a catch-up: speculation beats plain decoding on the lent cores by
+    1 token/s (5 tokens in the 5 s horizon); prefilling 100 tokens (0.1 s without the lent
+    cores: under 1 token lost) is repaid, 2000 (2 s: 12-16 tokens lost) is not, and the
+    draft idles; with a 5 tokens/s gain it is."""
+    from vllm_saguaro.draft.worker import IdleAdvice
+
+    w = worker(tiny_target, controller={"policy": "auto"})
+    for _ in range(4):
+        for width, own, lent in [(1, 0.06, 0.04), (2, 0.07, 0.05)]:
+            w.target_cost.observe(width, own)
+            w.lent_cost.observe(width, lent)
+    w.lent_widths |= {1, 2}
+    plain, own = 1 / w.lent_cost.predict(1), 1 / w.target_cost.predict(1)  # ~23 and ~16 tok/s
+    assert 6 < plain - own < 8
+    w._expected_rate = lambda b: plain + 1.0
+    w.prefill_s_per_token = 1e-3
+    assert w._idle_limit(1, 0) is None
+    assert w._idle_limit(1, 100) is None
+    assert w._idle_limit(1, 2000) == IdleAdvice(0, probe=False)
+    assert w.stats.catch_up_idles == 1
+    w._expected_rate = lambda b: plain + 5.0  # a larger gain repays even that
+    assert w._idle_limit(1, 2000) is None
+
+
+def test_the_catch_up_counts_the_tokens_beyond_the_kv_the_draft_holds(tiny_target):
+    w = worker(tiny_target)
+    prompt = [5, 17, 99, 3]
+    step(w, [("a", None, prompt, None)], [])  # the prompt's KV is in the pool now, and
+    assert w.seqs["a"].kv_tokens[:4] == prompt  # that of the tokens drafted after it
+    # the draft's own tokens past the prompt are not the ones verified (7 8 9): 3 to
+    # prefill for "a", 5 for the new "b", none for "c", which continues
+    full = prompt + [7, 8, 9]
+    assert w.seqs["a"].kv_tokens[4:5] != [7]
+    assert w._catch_up_tokens([("a", None, full, None), ("b", None, [1, 2, 3, 4, 5], None),
+                               ("c", [4], None, None)]) == 3 + 5

@@ -505,3 +505,79 @@ def test_a_batch_without_drafts_skips_the_rejection_kernels_with_the_same_tokens
         assert got.dtype == want.dtype and torch.equal(got, want)
         if not n:
             assert got[:, 0].tolist() == bonus[:, 0].tolist()
+
+
+def _sampling_metadata(temps, seeded=(), logprobs=None):
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+
+    batch = len(temps)
+    return SamplingMetadata(
+        temperature=torch.tensor(temps), all_greedy=all(x == 0 for x in temps),
+        all_random=all(x > 0 for x in temps), top_p=None, top_k=None,
+        generators={i: torch.Generator().manual_seed(100 + i) for i in seeded},
+        max_num_logprobs=logprobs, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(batch), presence_penalties=torch.zeros(batch),
+        repetition_penalties=torch.ones(batch), output_token_ids=[[] for _ in range(batch)],
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logitsprocs=LogitsProcessors())
+
+
+def _runner_spec_metadata(batch: int):
+    """The SpecDecodeMetadata vLLM's runner makes for a decode step of `batch` requests
+    without draft tokens (its own _calc_spec_decode_metadata on a stand-in runner)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    runner = SimpleNamespace(
+        _arange_scratch=np.zeros(1024, dtype=np.int64), arange_np=np.arange(1024),
+        device=torch.device("cpu"), input_ids=SimpleNamespace(gpu=torch.zeros(1024, dtype=torch.int32)))
+    runner._get_cumsum_and_arange = lambda *a, **k: GPUModelRunner._get_cumsum_and_arange(
+        runner, *a, **k)
+    return GPUModelRunner._calc_spec_decode_metadata(
+        runner, np.zeros(batch, dtype=np.int32), np.arange(1, batch + 1, dtype=np.int32))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, None])  # None: greedy and sampled rows
+def test_a_step_without_drafts_samples_as_plain_decoding(temperature):
+    """patch_sample_without_drafts's claim: with no draft token in the step, vLLM's
+    rejection sampler (with patch_rejection_sample_no_drafts) and the plain sampler give
+    the same tokens from the same logits and the same draws, seeded rows included."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    patches.apply_all()
+    batch, vocab = 6, 64
+    temps = [temperature] * batch if temperature is not None else [0.0, 1.0, 0.0, 1.0, 1.0, 0.5]
+    sampler = Sampler()
+    rejection = RejectionSampler(sampler)
+    meta = _runner_spec_metadata(batch)
+    assert meta.max_spec_len == 0 and meta.bonus_logits_indices.tolist() == list(range(batch))
+    for trial in range(5):
+        logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(trial))
+        torch.manual_seed(trial)
+        want = rejection(meta, None, logits.clone(), _sampling_metadata(temps, seeded=(1, 4)))
+        torch.manual_seed(trial)
+        got = sampler(logits.clone(), _sampling_metadata(temps, seeded=(1, 4)))
+        assert got.sampled_token_ids.dtype == want.sampled_token_ids.dtype
+        assert torch.equal(got.sampled_token_ids, want.sampled_token_ids)
+        assert got.logprobs_tensors is None and want.logprobs_tensors is None
+
+
+def test_only_a_step_without_drafts_or_logprobs_takes_the_plain_sampler():
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    seen = []
+    sample = patches.sample_without_drafts(lambda runner, logits, meta: seen.append(meta))
+    cpu = torch.device("cpu")
+    none = SpecDecodeMetadata.make_dummy([[], []], cpu)
+    some = SpecDecodeMetadata.make_dummy([[3], []], cpu)
+    runner = SimpleNamespace(input_batch=SimpleNamespace(sampling_metadata=_sampling_metadata([0.0, 1.0])))
+    for meta in (none, some, None):
+        sample(runner, None, meta)
+    runner.input_batch.sampling_metadata = _sampling_metadata([0.0, 1.0], logprobs=2)
+    sample(runner, None, none)
+    assert seen == [None, some, None, none]

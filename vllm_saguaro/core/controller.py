@@ -141,6 +141,23 @@ def batch_limit(speculative_rate: Callable[[int], float], plain_s: Callable[[int
     return 0
 
 
+# How soon speculation at a batch size must pay back the draft's catch-up (catch_up_pays).
+CATCH_UP_HORIZON_S = 5.0
+
+
+def catch_up_pays(gain_tok_s: float, catch_up_s: float, lost_tok_s: float,
+                  horizon_s: float = CATCH_UP_HORIZON_S) -> bool:
+    """Whether to start speculating on sequences the draft does not hold yet (a batch
+    that arrived, or one it left while idle): it must first prefill them, catch_up_s on
+    its cores, and meanwhile plain decoding runs without those cores (they were lent to
+    the target), losing lost_tok_s tokens a second. Worth it when speculation's expected
+    gain over plain decoding (gain_tok_s) pays that back within horizon_s: the
+    batch's requests may not last much longer. Measured before: at batch 16 a wake
+    prefilled 16 prompts on the draft's core for 0.8-2.3 s per cell, for a gain the
+    controller then did not find, and plain decoding ran on one core meanwhile."""
+    return gain_tok_s * horizon_s >= max(lost_tok_s, 0.0) * catch_up_s
+
+
 def beats_plain(plan: Plan, batch: int, plain_s: Callable[[int], float] | None) -> bool:
     """Whether a plan's expected rate beats plain decoding's at step time plain_s (None:
     plain decoding on the same cores, which the plan space already holds)."""

@@ -46,6 +46,8 @@ class DraftStats:
     sent: list[int] = field(default_factory=lambda: [0] * 33)
     prespec_skipped: int = 0
     lent_probes: int = 0          # batch sizes idled once to measure the lent cores
+    catch_up_idles: int = 0       # steps that idled rather than prefill the batch (catch_up_pays)
+    prefill_s_per_token: float = 0.0  # the draft's prefill speed as now measured (not cumulative)
     ops_rows: int = 0             # sampled rows drawn by ops.saguaro_sample (GPU path)
     ops_forks: int = 0            # positions forked by ops.fork_candidates (GPU path)
     # The controller's cost models as now fitted (not cumulative): the target's step

@@ -23,7 +23,8 @@ import torch
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
-                                          beats_plain, choose_lengths, speculation_pays)
+                                          beats_plain, catch_up_pays, choose_lengths,
+                                          speculation_pays)
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
@@ -82,6 +83,10 @@ def worker_env(cores: list[int] | None, incarnation: int) -> dict[str, str]:
 # Windows longer than this (prefills, resyncs) run one sequence at a time, so that one
 # long prompt does not pad every other sequence of the batch to its length.
 _BATCHED_WINDOW = 64
+# The draft's prefill speed before it is measured (the reference draft on one CPU core:
+# 0.55 ms a token in a 16-prompt glue pass); a step of at least this many tokens measures it.
+PREFILL_S_PER_TOKEN = 5e-4
+PREFILL_MEASURE_TOKENS = 64
 
 
 class IdleAdvice(NamedTuple):
@@ -196,6 +201,7 @@ class DraftWorker:
         self.realized = RealizedRate()  # what speculation gave, round to round
         self._last_call: tuple[float, int] | None = None  # (when, batch) of the last step
         self.fast_acceptance = AcceptanceFit(0.2)
+        self.prefill_s_per_token = PREFILL_S_PER_TOKEN  # the catch-up's cost (_idle_limit)
         self.hit_rate = 0.5  # of lookups, an exponential average (the idle decision's p_hit)
         self._cap = self.K        # the most tokens a sequence may send this step
         self._limit: IdleAdvice | None = None  # this step: the draft idles above limit
@@ -305,7 +311,7 @@ class DraftWorker:
                     self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._observe_round(updates, t0)
-            self._limit = self._idle_limit(len(updates))
+            self._limit = self._idle_limit(len(updates), self._catch_up_tokens(updates))
             self._last_call = (t0, len(updates))
             results = self._step(updates, finished)
             self._note_models()
@@ -528,7 +534,17 @@ class DraftWorker:
         self.realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates),
                               now - last[0], now)
 
-    def _idle_limit(self, batch: int) -> IdleAdvice | None:
+    def _catch_up_tokens(self, updates: list[Update]) -> int:
+        """Tokens the draft must prefill before it can speculate on this batch: those of
+        new or resynced sequences beyond the KV it still holds for them."""
+        n = 0
+        for rid, _, full, _ in updates:
+            if full is not None:
+                st = self.seqs.get(rid)
+                n += len(full) - (_lcp(st.kv_tokens, full) if st is not None else 0)
+        return n
+
+    def _idle_limit(self, batch: int, catch_up_tokens: int = 0) -> IdleAdvice | None:
         """If speculation's expected rate (core/theory.py with the fitted a_p, the hit
         rate, the measured costs; the best K up to the cap) does not beat plain decoding
         at this batch size, the largest batch size at which it would: this step sends
@@ -537,7 +553,9 @@ class DraftWorker:
 
         Plain decoding on the lent cores is only known where it ran, so the first time a
         batch size is found worth speculating on, the draft idles there for a few rounds
-        anyway (a probe) and the next call decides with that measurement."""
+        anyway (a probe) and the next call decides with that measurement. Where the
+        draft must first prefill the batch (catch_up_tokens) while the target loses the
+        lent cores, speculation's expected gain must pay that back (catch_up_pays)."""
         ctl = self.cfg.controller
         if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
                 or not self.target_cost.known or not batch):
@@ -557,6 +575,13 @@ class DraftWorker:
             self._probed.add(batch)
             self.stats.lent_probes += 1
             return IdleAdvice(batch - 1, probe=True)
+        if catch_up_tokens and self.lent_cost is not None and batch in self.lent_widths:
+            lent, own = self.lent_cost.predict(batch), self.target_cost.predict(batch)
+            gain = rate(batch) - batch / max(plain(batch), 1e-9)
+            lost = batch / max(lent, 1e-9) - batch / max(own, 1e-9)
+            if not catch_up_pays(gain, catch_up_tokens * self.prefill_s_per_token, lost):
+                self.stats.catch_up_idles += 1
+                return IdleAdvice(batch - 1, probe=False)
         return None
 
     def _expected_rate(self, batch: int) -> float:
@@ -687,9 +712,14 @@ class DraftWorker:
         ctx_mask = ctx_mask.expand(n, t, lc)
         new_mask = (ar[None, :] <= ar[:, None])[None].expand(n, t, t)           # causal
         mask = torch.cat([ctx_mask, new_mask], dim=2)[:, None].to(self.device)
+        t0 = time.perf_counter()
         hidden, new_kv = self.model.forward(ids.to(self.device), positions.to(self.device), mask,
                                             context=ctx if lc else None)
         counts = [len(w) for w in windows]
+        if sum(counts) >= PREFILL_MEASURE_TOKENS:  # a prefill: its speed, for _idle_limit
+            per = (time.perf_counter() - t0) / sum(counts)
+            self.prefill_s_per_token = 0.7 * self.prefill_s_per_token + 0.3 * per
+            self.stats.prefill_s_per_token = self.prefill_s_per_token
         self.kv.append(rids, counts, new_kv)
         for rid, w in zip(rids, windows):
             self.seqs[rid].kv_tokens.extend(w)
