@@ -132,3 +132,18 @@ def test_the_child_exits_when_its_target_dies(tiny_draft):
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     pytest.fail("the draft process outlived its target")
+
+
+def test_the_child_imports_what_the_target_imported_not_the_working_directorys(
+        tiny_draft, tmp_path, monkeypatch):
+    """A server started from a directory holding another vllm_saguaro (a checkout of
+    another version): the draft process still runs the target's."""
+    shadow = tmp_path / "vllm_saguaro"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the working directory copy')\n")
+    monkeypatch.chdir(tmp_path)
+    process = ProcessRuntime.start(config(tiny_draft), 512)
+    try:
+        assert ProcessRuntime.get(process.ping.remote(), 60) == process.pid
+    finally:
+        process.kill()

@@ -535,6 +535,11 @@ def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(ti
     assert w.stats.catch_up_idles == 1
     w._expected_rate = lambda b: plain + 5.0  # a larger gain repays even that
     assert w._idle_limit(1, 2000) is None
+    # a batch size plain decoding on the lent cores ran at only briefly (the batch arriving
+    # or draining): the lent cores' line stands in for a measurement there
+    w.lent_widths, w._probed = {2}, {1}  # probed once, too briefly to measure
+    w._expected_rate = lambda b: plain + 1.0
+    assert w._idle_limit(1, 2000) == IdleAdvice(0, probe=False)
 
 
 def test_the_catch_up_counts_the_tokens_beyond_the_kv_the_draft_holds(tiny_target):

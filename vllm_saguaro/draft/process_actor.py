@@ -17,6 +17,7 @@ and the child exits. Ray stays the runtime for GPU drafts (draft_runtime 'auto')
 """
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -33,6 +34,14 @@ from multiprocessing.connection import Connection
 # How long the child gets to exit after its socket closes, before it is killed.
 EXIT_GRACE_S = 2.0
 MODULE = "vllm_saguaro.draft.process_actor"
+# The child's first statement: the target's sys.path (as multiprocessing's spawn passes
+# it), so that it imports the same vllm_saguaro and torch as the target; `python -m`
+# would put the working directory first, where another checkout may shadow them. Then
+# the module's main, under its own name (the exceptions it pickles unpickle as this
+# module's in the target).
+SYS_PATH_ENV = "SAGUARO_DRAFT_SYS_PATH"
+BOOT = (f"import json, os, sys; sys.path[:] = json.loads(os.environ.pop({SYS_PATH_ENV!r})); "
+        f"from {MODULE} import main; main(sys.argv[1:])")
 
 
 def is_draft_worker(cmdline: str) -> bool:
@@ -76,8 +85,8 @@ class DraftProcess:
     def __init__(self, config: dict, target_vocab_size: int, env: dict[str, str],
                  cores: list[int] | None = None):
         ours, theirs = socket.socketpair()
-        child_env = {**os.environ, **env}
-        argv = [sys.executable, "-m", MODULE, str(theirs.fileno()),
+        child_env = {**os.environ, **env, SYS_PATH_ENV: json.dumps(sys.path)}
+        argv = [sys.executable, "-c", BOOT, str(theirs.fileno()),
                 ",".join(str(c) for c in cores or [])]
         try:
             self.proc = subprocess.Popen(argv, env=child_env, pass_fds=(theirs.fileno(),),
@@ -263,11 +272,3 @@ def main(argv: list[str]) -> None:
     if cores:  # before torch is imported: its threads start on the draft's cores
         os.sched_setaffinity(0, {int(c) for c in cores.split(",")})
     serve(Connection(fd))
-
-
-if __name__ == "__main__":
-    # through the module's real name, so that the exceptions it pickles unpickle as
-    # vllm_saguaro.draft.process_actor's in the target (not as __main__'s)
-    from vllm_saguaro.draft import process_actor
-
-    process_actor.main(sys.argv[1:])

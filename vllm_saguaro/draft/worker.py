@@ -575,9 +575,12 @@ class DraftWorker:
             self._probed.add(batch)
             self.stats.lent_probes += 1
             return IdleAdvice(batch - 1, probe=True)
-        if catch_up_tokens and self.lent_cost is not None and batch in self.lent_widths:
-            lent, own = self.lent_cost.predict(batch), self.target_cost.predict(batch)
-            gain = rate(batch) - batch / max(plain(batch), 1e-9)
+        if catch_up_tokens and self.lent_cost is not None and self.lent_cost.known:
+            # on the lent cores' line also at a batch size it was not measured at: the
+            # batch grows and shrinks through sizes plain decoding ran at only briefly
+            own = self.target_cost.predict(batch)
+            lent = min(self.lent_cost.predict(batch), own)
+            gain = rate(batch) - batch / max(lent, 1e-9)
             lost = batch / max(lent, 1e-9) - batch / max(own, 1e-9)
             if not catch_up_pays(gain, catch_up_tokens * self.prefill_s_per_token, lost):
                 self.stats.catch_up_idles += 1

@@ -45,10 +45,10 @@ class DraftSupervisor:
         return self.policy.state == "up" and self.actor is not None
 
     def start(self) -> None:
-        """The first worker, waited for: a bad checkpoint or config fails the engine's
-        start with the worker's own error, not a silent fallback."""
+        """The first worker, waited for (at most startup_timeout_s): a bad checkpoint or
+        config fails the engine's start with the worker's own error, not a silent fallback."""
         self.actor = self._start(0)
-        self.runtime.get(self.actor.ping.remote(), None)
+        self.runtime.get(self.actor.ping.remote(), self.startup_timeout_s)
         self.policy.started(time.monotonic())
 
     def get(self, ref, what: str, prefill_tokens: int = 0):
