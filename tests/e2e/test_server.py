@@ -82,7 +82,7 @@ def test_metrics_page_has_ssd_figures(server):
 
 
 def _session_processes(sid: int) -> dict[int, str]:
-    out = subprocess.run(["ps", "-s", str(sid), "-o", "pid=,args="], capture_output=True,
+    out = subprocess.run(["ps", "ww", "-s", str(sid), "-o", "pid=,args="], capture_output=True,
                          text=True).stdout
     return {int(line.split(None, 1)[0]): line.split(None, 1)[1] for line in out.splitlines()
             if line.strip()}
@@ -112,7 +112,8 @@ def test_server_threads_target_and_draft_on_their_own_cores(server):
     assert not off, f"draft worker threads off core {sorted(draft_cores)}: {off}"
     assert sum(t.cpu_s for t in threads) > before[draft[0]], "the draft worker did no work"
     threads = process_threads(worker[0])
-    # the target's own threads on its core; Ray's client threads there sit on the draft's
+    # the target's own threads on its core (with draft_runtime ray, Ray's client threads
+    # there sit on the draft's)
     roaming = [t for t in threads if not (set(t.cores) <= target or set(t.cores) <= draft_cores)]
     assert not roaming, f"target worker threads free to use both sides: {roaming}"
     main = next(t for t in threads if t.tid == worker[0])

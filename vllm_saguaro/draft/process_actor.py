@@ -34,13 +34,15 @@ from multiprocessing.connection import Connection
 # How long the child gets to exit after its socket closes, before it is killed.
 EXIT_GRACE_S = 2.0
 MODULE = "vllm_saguaro.draft.process_actor"
-# The child's first statement: the target's sys.path (as multiprocessing's spawn passes
-# it), so that it imports the same vllm_saguaro and torch as the target; `python -m`
-# would put the working directory first, where another checkout may shadow them. Then
-# the module's main, under its own name (the exceptions it pickles unpickle as this
-# module's in the target).
+# The child's program: the module's name first (a no-op, so that `ps` and `top` show
+# what the process is even where they cut the command line short), then the target's
+# sys.path (as multiprocessing's spawn passes it), so that it imports the same
+# vllm_saguaro and torch as the target (`python -m` would put the working directory
+# first, where another checkout may shadow them), then the module's main under its own
+# name (the exceptions it pickles unpickle as this module's in the target).
 SYS_PATH_ENV = "SAGUARO_DRAFT_SYS_PATH"
-BOOT = (f"import json, os, sys; sys.path[:] = json.loads(os.environ.pop({SYS_PATH_ENV!r})); "
+BOOT = (f"{MODULE!r}; import json, os, sys; "
+        f"sys.path[:] = json.loads(os.environ.pop({SYS_PATH_ENV!r})); "
         f"from {MODULE} import main; main(sys.argv[1:])")
 
 
