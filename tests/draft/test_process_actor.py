@@ -147,3 +147,20 @@ def test_the_child_imports_what_the_target_imported_not_the_working_directorys(
         assert ProcessRuntime.get(process.ping.remote(), 60) == process.pid
     finally:
         process.kill()
+
+
+def test_the_worker_environment(monkeypatch):
+    """worker_env: OpenMP bound to the draft's cores in every form, Intel OpenMP's
+    warnings off, and a fault only for the first worker unless ':always'."""
+    from vllm_saguaro.draft.worker import worker_env
+
+    monkeypatch.delenv(FAULT_ENV, raising=False)
+    env = worker_env([1], 0)
+    assert env["OMP_NUM_THREADS"] == "1" and env["GOMP_CPU_AFFINITY"] == "1"
+    assert "proclist=[1]" in env["KMP_AFFINITY"] and env["KMP_WARNINGS"] == "0"
+    assert FAULT_ENV not in env and worker_env(None, 0) == {}
+    monkeypatch.setenv(FAULT_ENV, "die_at_step:3")
+    assert worker_env([1], 0)[FAULT_ENV] == "die_at_step:3"
+    assert worker_env([1], 1)[FAULT_ENV] == ""  # a restarted worker: no fault
+    monkeypatch.setenv(FAULT_ENV, "die_at_step:3:always")
+    assert worker_env([1], 2)[FAULT_ENV] == "die_at_step:3:always"

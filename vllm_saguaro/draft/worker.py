@@ -70,8 +70,12 @@ def worker_env(cores: list[int] | None, incarnation: int) -> dict[str, str]:
     """What a draft worker's process gets added to the target's environment, in either
     runtime (draft/ray_actor.py, draft/process_actor.py): OpenMP bound to the draft's
     cores (not the target's inherited OMP_PLACES), the test switches passed on, and a
-    fault injected into the first worker only (incarnation 0) unless ':always'."""
+    fault injected into the first worker only (incarnation 0) unless ':always'. Intel
+    OpenMP's warnings off: it reads KMP_AFFINITY and said, on the server's terminal,
+    that it ignores the OMP_* forms of the same binding (there for GNU OpenMP)."""
     env = omp_env(cores) if cores else {}
+    if cores:
+        env["KMP_WARNINGS"] = "0"
     if os.environ.get(OPS_ENV):
         env[OPS_ENV] = os.environ[OPS_ENV]
     fault = os.environ.get(FAULT_ENV, "")
