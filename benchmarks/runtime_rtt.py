@@ -20,6 +20,7 @@ import statistics
 import time
 from pathlib import Path
 
+
 def _config(draft: str, core: int) -> dict:
     from vllm_saguaro.config import SaguaroConfig
 
@@ -57,21 +58,20 @@ def main(argv=None) -> dict:
     workers = {name: rt.start(_config(draft, core), vocab) for name, rt in runtimes.items()}
     for name, rt in runtimes.items():
         rt.get(workers[name].ping.remote(), 300)
-    calls = [("ping", lambda w: w.ping.remote()), ("held", lambda w: w.held.remote()),
-             ("threads", lambda w: w.threads.remote())]
-    times: dict[str, dict[str, list[float]]] = {n: {c: [] for c, _ in calls} for n in runtimes}
+    calls = ("ping", "held", "threads")  # the worker's own methods, without arguments
+    times: dict[str, dict[str, list[float]]] = {n: {c: [] for c in calls} for n in runtimes}
     for _ in range(args.calls):
-        for label, make in calls:
+        for label in calls:
             for name, rt in runtimes.items():  # alternate, call for call
                 t0 = time.perf_counter()
-                rt.get(make(workers[name]), 60)
+                rt.get(getattr(workers[name], label).remote(), 60)
                 times[name][label].append(time.perf_counter() - t0)
     for name, rt in runtimes.items():
         rt.kill(workers[name])
     result = {name: {label: _spread(xs) for label, xs in per.items()} for name, per in times.items()}
     print("| call | process ms (p10-p90) | Ray ms (p10-p90) | Ray / process |")
     print("|---|---|---|---|")
-    for label, _ in calls:
+    for label in calls:
         p, r = result["process"][label], result["ray"][label]
         print(f"| {label} | {p['median_ms']} ({p['p10_ms']}-{p['p90_ms']}) | {r['median_ms']} "
               f"({r['p10_ms']}-{r['p90_ms']}) | {r['median_ms'] / p['median_ms']:.1f} |")
