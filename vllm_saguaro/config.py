@@ -78,6 +78,12 @@ class ControllerConfig(BaseModel):
     lend_cores: bool = Field(
         True, description="CPU: while the draft idles, the target's threads run on the "
         "draft's cores too (vllm_glue/lending.py), so plain decoding has every core")
+    regime: Literal["auto", "ssd", "lent_sd"] = Field(
+        "auto", description="CPU with lend_cores: how a round speculates. ssd: the draft "
+        "pre-speculates on its own cores while the target verifies on its own; lent_sd: "
+        "synchronous SD, the draft drafts while the target waits and the target verifies on "
+        "every core (no pre-speculation); auto: whichever is expected faster at the batch "
+        "size running (plain decoding on every core when neither beats it)")
     force_lengths: list[int] | None = Field(
         None, description="testing switch: row i of round r sends force_lengths[(i + r) % n] "
         "tokens (capped by what it has); the losslessness tests use it for mixed lengths")

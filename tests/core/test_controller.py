@@ -192,3 +192,11 @@ def test_a_catch_up_pays_only_if_the_gain_repays_it_within_the_horizon():
     assert catch_up_pays(0.1, 3.0, 0.0)            # nothing lost meanwhile (no lending)
     assert catch_up_pays(0.1, 3.0, -5.0)           # the lent cores were no faster
     assert not catch_up_pays(0.0, 1.0, 1.0) and CATCH_UP_HORIZON_S > 0
+
+
+def test_lent_sd_pays_only_when_known_and_faster():
+    from vllm_saguaro.core.controller import lent_sd_pays
+
+    assert lent_sd_pays(30.0, 31.0)
+    assert not lent_sd_pays(30.0, 30.0) and not lent_sd_pays(30.0, 29.0)
+    assert not lent_sd_pays(30.0, None)  # not measured yet: SSD

@@ -38,7 +38,7 @@ def test_calls_answer_as_the_worker_does(draft):
     assert threads["pid"] == draft.pid
     assert all(t["cores"] == [CORE] for t in threads["threads"])  # bound from the start
     prompt = [1, 5, 9, 13, 2, 7]
-    results, waited, computed, idle = ProcessRuntime.get(
+    results, waited, computed, idle, lent_sd = ProcessRuntime.get(
         draft.step.remote([("r", None, prompt, None)], []), 30)
     (tokens, flag, q), = results
     assert len(tokens) == 3 and flag is None and q is None and waited >= 0

@@ -28,7 +28,7 @@ def hf_greedy(model, tokens, n):
 
 
 def step(w, updates, finished, target_steps=(), k_cap=None):
-    results, waited, compute, idle = w.step(updates, finished, target_steps, k_cap)
+    results, waited, compute, idle, _ = w.step(updates, finished, target_steps, k_cap)
     assert waited >= 0 and compute >= 0
     return results
 
@@ -398,14 +398,14 @@ def test_controller_sends_everything_when_verifying_is_free(tiny_target, hf):
 def test_controller_plain_decoding_and_idle_when_nothing_pays(tiny_target):
     w = worker(tiny_target, controller={"policy": "auto"})
     updates = [(r, None, [5, 17, 99, 3 + i], None) for i, r in enumerate("abcd")]
-    results, _, _, idle = w.step(updates, [], DEAR)
+    results, _, _, idle, _ = w.step(updates, [], DEAR)
     assert all(d == [] for d, _, _ in results)
     assert idle is not None and idle.limit < 4 and not idle.probe  # the proposer leaves the draft alone above it
     assert w.stats.fallback_rounds == 0, "nothing was sent, so nothing should be drafted"
     w.prespeculate()
     assert w.stats.prespec_skipped == 1 and all(st.cache is None for st in w.seqs.values())
     pinned = worker(tiny_target, controller={"policy": "fixed"})
-    results, _, _, idle = pinned.step(updates, [], DEAR)
+    results, _, _, idle, _ = pinned.step(updates, [], DEAR)
     assert all(len(d) == 3 for d, _, _ in results) and idle is None
 
 
@@ -440,7 +440,7 @@ def test_speculation_must_beat_plain_decoding_on_the_lent_cores(tiny_target, hf)
     w.prespeculate()
     bonus = hf_greedy(hf, p, 1)
     lent = [(1, 0.005, True), (2, 0.0051, True)]  # ten times faster on every core
-    results, _, _, idle = w.step([("a", bonus, None, None)], [], CHEAP + lent)
+    results, _, _, idle, _ = w.step([("a", bonus, None, None)], [], CHEAP + lent)
     assert results[0][0] == [] and idle.limit == 0  # no batch size pays: the proposer lends
     pinned = worker(tiny_target, controller={"policy": "auto", "lend_cores": False})
     step(pinned, [("a", None, p, None)], [], CHEAP)
@@ -458,7 +458,7 @@ def test_what_speculation_gave_overrules_the_model_when_lower(tiny_target, hf):
     step(w, [("a", None, p, None)], [], CHEAP)
     w.prespeculate()
     bonus = hf_greedy(hf, p, 1)
-    results, _, _, idle = w.step([("a", bonus, None, None)], [], CHEAP)
+    results, _, _, idle, _ = w.step([("a", bonus, None, None)], [], CHEAP)
     assert idle is None and len(results[0][0]) > 0  # the model: speculation pays
     # this test's own (instant) rounds stay out of the measurement: the round just run was
     # observed already, and weighed with 0.8^8 it could still beat plain decoding
@@ -468,7 +468,7 @@ def test_what_speculation_gave_overrules_the_model_when_lower(tiny_target, hf):
     w._last_call = None
     w.prespeculate()
     bonus = hf_greedy(hf, p + bonus + results[0][0], 1)
-    results, _, _, idle = w.step([("a", bonus, None, None)], [], CHEAP)
+    results, _, _, idle, _ = w.step([("a", bonus, None, None)], [], CHEAP)
     assert idle is not None and idle.limit == 0 and results[0][0] == []
 
 
@@ -480,17 +480,22 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
 
     w = worker(tiny_target, controller={"policy": "auto"})
     now = time.perf_counter()
-    w._last_call, w._limit = (now - 0.5, 2), None
+    w._last_call, w._limit = (now - 0.5, 2, False), None
     w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
     assert w.realized._seen[2][:2] == (pytest.approx(6.0), 1)  # 3 tokens in 0.5 s
     idle = IdleAdvice(0, probe=False)
-    for last, limit, updates in [((now - 0.5, 2), idle, [("a", [1], None, None)] * 2),
-                                 ((now - 0.5, 3), None, [("a", [1], None, None)] * 2),
-                                 ((now - 0.5, 2), None, [("a", [1], None, None),
-                                                         ("b", None, [1, 2, 3], None)])]:
+    for last, limit, updates in [((now - 0.5, 2, False), idle, [("a", [1], None, None)] * 2),
+                                 ((now - 0.5, 3, False), None, [("a", [1], None, None)] * 2),
+                                 ((now - 0.5, 2, False), None, [("a", [1], None, None),
+                                                                ("b", None, [1, 2, 3], None)])]:
         w._last_call, w._limit = last, limit
         w._observe_round(updates, now)
     assert w.realized._seen[2][1] == 1 and set(w.realized._seen) == {2}
+    # a round of SD on the lent cores goes to its own measurement
+    w._last_call, w._limit = (now - 1.0, 2, True), None
+    w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
+    assert w.lent_sd_realized._seen[2][:2] == (pytest.approx(3.0), 1)
+    assert w.realized._seen[2][1] == 1
 
 
 def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
@@ -499,16 +504,18 @@ def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
     then decides with that measurement, and does not probe that batch size again."""
     w = worker(tiny_target, controller={"policy": "auto"})
     p = [5, 17, 99, 3, 250, 7]
-    results, _, _, idle = w.step([("a", None, p, None)], [], CHEAP)
+    results, _, _, idle, _ = w.step([("a", None, p, None)], [], CHEAP)
     assert idle is not None and idle.probe and idle.limit == 0
     assert w.stats.lent_probes == 1
     bonus = hf_greedy(hf, p, 1)
     slow = [(1, 0.06, True), (1, 0.061, True), (2, 0.07, True)]  # no faster than its own core
-    results, _, _, idle = w.step([("a", bonus, None, None)], [], CHEAP + slow)
+    results, _, _, idle, _ = w.step([("a", bonus, None, None)], [], CHEAP + slow)
     assert idle is None and len(results[0][0]) > 0 and w.stats.lent_probes == 1
     fast = [(1, 0.005, True), (1, 0.0051, True)]  # ten times faster: plain decoding wins
+    w.draft_cost = type(w.draft_cost)()  # and SD on them would draft for 50 ms a step
+    w.draft_cost.observe(1, 0.05)
     bonus = hf_greedy(hf, p + bonus + results[0][0], 1)
-    results, _, _, idle = w.step([("a", bonus, None, None)], [], fast * 4)
+    results, _, _, idle, _ = w.step([("a", bonus, None, None)], [], fast * 4)
     assert idle is not None and not idle.probe and results[0][0] == []
 
 
@@ -553,3 +560,77 @@ def test_the_catch_up_counts_the_tokens_beyond_the_kv_the_draft_holds(tiny_targe
     assert w.seqs["a"].kv_tokens[4:5] != [7]
     assert w._catch_up_tokens([("a", None, full, None), ("b", None, [1, 2, 3, 4, 5], None),
                                ("c", [4], None, None)]) == 3 + 5
+
+
+def lent_worker(tiny_target, **controller):
+    """A worker whose target verifies on every core (lent) twice as fast as on its own
+    core, with a cheap draft step: SD on the lent cores beats SSD and plain decoding."""
+    w = worker(tiny_target, controller={"policy": "auto", **controller})
+    for _ in range(4):
+        for width, own, lent in [(1, 0.06, 0.03), (2, 0.0605, 0.0301), (4, 0.061, 0.0302)]:
+            w.target_cost.observe(width, own)
+            w.lent_cost.observe(width, lent)
+    w.lent_widths |= {1, 2, 4}
+    w.draft_cost.observe(1, 0.002)
+    return w
+
+
+@pytest.mark.parametrize("regime", ["auto", "lent_sd", "ssd"])
+def test_sd_on_the_lent_cores_where_it_beats_ssd(tiny_target, hf, regime):
+    """controller.regime: where the lent cores verify twice as fast and the draft's step
+    is cheap, a continuing batch runs as SD on the lent cores (auto, or pinned): the
+    fallback drafts on the critical path without a lookup, from plain q (C = 1), and the
+    step says so; the round with a new sequence is SSD's, so that its prompt goes
+    through the pre-speculation's glue pass. Pinned to ssd, nothing changes."""
+    w = lent_worker(tiny_target, regime=regime)
+    w.saguaro_c = w.cfg.saguaro_c = 0.5
+    p = [5, 17, 99, 3, 250, 7]
+    results, _, _, idle, lent_sd = w.step([("a", None, p, None)], [], ())
+    assert idle is None and not lent_sd and results[0][0] == []  # new: nothing sent
+    w.prespeculate()
+    assert len(w.seqs["a"].kv_tokens) >= len(p)  # the prompt is in the draft's KV
+    bonus = hf_greedy(hf, p, 1)
+    results, _, _, idle, lent_sd = w.step([("a", bonus, None, None)], [], ())
+    (spec, flag, _), = results
+    assert idle is None and spec == hf_greedy(hf, p + bonus, len(spec)) and spec
+    if regime == "ssd":
+        assert not lent_sd and flag is not None and w.stats.lent_sd_steps == 0
+        assert w.saguaro_c == 0.5
+    else:
+        assert lent_sd and flag is None and w.stats.lent_sd_steps == 1
+        assert w.saguaro_c == 1.0 and w.stats.fallback_rounds == 1
+
+
+def test_ssd_where_the_lent_cores_verify_no_faster(tiny_target, hf):
+    """auto: the same, but the lent cores verify no faster than the target's own core,
+    so SD on them has nothing over SSD (whose draft works beside the verification)."""
+    w = lent_worker(tiny_target)
+    w.lent_cost = type(w.target_cost)()
+    for _ in range(4):
+        for width, lent in [(1, 0.06), (2, 0.0605), (4, 0.061)]:
+            w.lent_cost.observe(width, lent)
+    w.hit_rate = 0.9
+    p = [5, 17, 99, 3, 250, 7]
+    w.step([("a", None, p, None)], [], ())
+    w.prespeculate()
+    results, _, _, _, lent_sd = w.step([("a", hf_greedy(hf, p, 1), None, None)], [], ())
+    assert not lent_sd and results[0][1] is not None  # looked up in the cache
+
+
+@pytest.mark.parametrize("regime", ["auto", "ssd"])
+def test_a_skipped_prespeculation_still_prefills_a_new_prompt(tiny_target, regime):
+    """Where speculation may run as SD on the lent cores, a pre-speculation skipped
+    because no cached token would be sent still runs the glue pass for a new sequence,
+    so its prompt's prefill is not on SD's critical path later; with regime ssd it is
+    skipped whole, as before."""
+    w = lent_worker(tiny_target, regime=regime)
+    w._prespeculation_pays = lambda batch: False
+    p = [5, 17, 99, 3, 250, 7]
+    w.step([("a", None, p, None)], [], ())
+    kv_before = len(w.seqs["a"].kv_tokens)
+    w.prespeculate()
+    assert w.stats.prespec_skipped == 1 and w.seqs["a"].cache is None
+    if regime == "auto":
+        assert w.stats.catch_up_glues == 1 and len(w.seqs["a"].kv_tokens) >= len(p)
+    else:
+        assert w.stats.catch_up_glues == 0 and len(w.seqs["a"].kv_tokens) == kv_before < len(p)

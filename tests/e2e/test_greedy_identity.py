@@ -117,6 +117,33 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant, monkeypatc
         assert 0 < hits < lookups, "a perturbed draft should both hit and miss"
 
 
+def test_greedy_identical_with_sd_on_the_lent_cores(tiny_target, spec_base, reference,
+                                                    monkeypatch):
+    """controller.regime lent_sd through a multiprocess engine started as a user starts it
+    (only a multiprocess engine lends the draft's cores to the target's team): drafts of
+    mixed lengths, drafted while the target waits and verified on every core."""
+    from vllm_saguaro.vllm_glue.offline import engine_report
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("lending the draft's core needs 2 cores")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    ref, stop_params = reference
+    spec = dict(spec_base, controller={"policy": "auto", "regime": "lent_sd",
+                                       "force_lengths": [1, 3, 0, 2]})
+    llm = make_llm(tiny_target, spec)
+    try:
+        got = run_all(llm, stop_params)
+        report = engine_report(llm)
+    finally:
+        release(llm)
+    for key in ref:
+        assert got[key] == ref[key], f"lent_sd: output differs for case {key}"
+    m, d = report["metrics"], report["draft"]
+    assert m["lent_sd_rounds"] > 0 and d["lent_sd_steps"] > 0, (m, d)
+    assert all(n > 0 for n in m["sent"][:4]), m["sent"]
+
+
 def test_self_draft_hits(tiny_target, spec_base):
     """Draft == target at T=0: every outcome is predictable, so the cache nearly always hits."""
     from vllm import SamplingParams

@@ -21,6 +21,7 @@ def idle_proposer(limit):
     p.idle_above, p._idle_since, p._gone = limit, time.monotonic(), set()
     p._probe_rounds = None
     p.lending = None
+    p.lent_sd = False
     return p
 
 
@@ -120,6 +121,51 @@ def test_an_empty_batch_lends_the_cores_and_the_drafts_next_call_takes_them_back
     with pytest.raises(Called):
         p.propose_round(["b"], [4], torch.tensor([[1, 2, 3, 4]]), [[4]], set(), None)
     assert seen == [False]
+
+
+def test_sd_on_the_lent_cores_keeps_the_team_whole():
+    """A round the worker ran as SD on the lent cores: the target verifies on every core
+    (lent after the reply) and nothing is pre-speculated; the next call keeps them lent
+    while the draft drafts (the target only waits); a round with a new sequence gives
+    them back first (its prompt goes to the pre-speculation's glue pass)."""
+    import torch
+    from types import SimpleNamespace
+
+    p = idle_proposer(None)
+    p.supervisor = _Supervisor()
+    p.supervisor.available = lambda: True
+    p.supervisor.resync = False
+    p.supervisor.ready = lambda ref: False
+    p.cfg = SimpleNamespace(draft_sampling="target", async_=True)
+    p.channel = None
+    p.lending = _Lending()
+    calls, regime = [], iter([False, True, True, False])
+
+    class Step:
+        @staticmethod
+        def remote(updates, finished, target_steps, k_cap):
+            calls.append((p.lending.lent, [u[0] for u in updates if u[2] is not None]))
+            lent_sd = next(regime)
+            return [([9], None, None)] * len(updates), 0.0, 0.0, None, lent_sd
+
+    class Prespeculate:
+        @staticmethod
+        def remote():
+            calls.append("prespeculate")
+            return "pending"
+
+    p.supervisor.actor.step, p.supervisor.actor.prespeculate = Step, Prespeculate
+    tokens = torch.tensor([[1, 2, 3, 4, 5, 6]])
+    p._prev_ids = {"a"}  # not a batch arriving (that round would lend and idle)
+    p.propose_round(["a"], [3], tokens, [[3]], set(), None)  # new: SSD's round
+    assert calls == [(False, ["a"]), "prespeculate"] and not p.lending.lent
+    p.propose_round(["a"], [4], tokens, [[9]], set(), None)  # SD on the lent cores
+    assert calls[2:] == [(False, [])] and p.lending.lent and p.lent_sd
+    p.propose_round(["a"], [5], tokens, [[9]], set(), None)  # stays lent through the call
+    assert calls[3:] == [(True, [])] and p.lending.lent
+    p.propose_round(["a", "b"], [6, 3], torch.cat([tokens, tokens]), [[9], [3]], set(), None)
+    assert calls[4:] == [(False, ["b"]), "prespeculate"] and not p.lending.lent
+    assert p.metrics.lent_sd_rounds == 2 and "SD on the lent cores in 50%" in p.metrics.lengths_summary()
 
 
 def test_a_batch_arriving_keeps_the_draft_out_and_the_cores_lent():

@@ -141,6 +141,18 @@ def batch_limit(speculative_rate: Callable[[int], float], plain_s: Callable[[int
     return 0
 
 
+def lent_sd_pays(ssd_rate: float, lent_sd_rate: float | None) -> bool:
+    """Whether a batch size that speculates (it beats plain decoding) does it as SD on
+    the lent cores rather than as SSD. On CPU the draft's "device" is a core taken from
+    the target: SSD drafts on it while the target verifies on its own cores, SD on the
+    lent cores drafts while the target waits and verifies on every core. Measured at
+    batch 1 on the 2-core reference machine: the target's step on two cores is ~0.6x its
+    step on one, so SD on both (K = 1) ran 1.01-1.04x plain decoding at T = 0 where SSD
+    (its verification on one core) ran below it. None: not known yet (no lent cores, or
+    the draft's step not measured)."""
+    return lent_sd_rate is not None and lent_sd_rate > ssd_rate
+
+
 # How soon speculation at a batch size must pay back the draft's catch-up (catch_up_pays).
 CATCH_UP_HORIZON_S = 5.0
 

@@ -47,6 +47,8 @@ class DraftStats:
     prespec_skipped: int = 0
     lent_probes: int = 0          # batch sizes idled once to measure the lent cores
     catch_up_idles: int = 0       # steps that idled rather than prefill the batch (catch_up_pays)
+    lent_sd_steps: int = 0        # steps in the lent_sd regime (SD on every core, no pre-speculation)
+    catch_up_glues: int = 0       # pre-speculations cut to the glue pass (a new sequence's prefill)
     prefill_s_per_token: float = 0.0  # the draft's prefill speed as now measured (not cumulative)
     ops_rows: int = 0             # sampled rows drawn by ops.saguaro_sample (GPU path)
     ops_forks: int = 0            # positions forked by ops.fork_candidates (GPU path)

@@ -23,6 +23,7 @@ import torch
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
+                                          lent_sd_pays,
                                           beats_plain, catch_up_pays, choose_lengths,
                                           speculation_pays)
 from vllm_saguaro.core.fallback import ngram_draft
@@ -203,7 +204,10 @@ class DraftWorker:
         self.lent_widths: set[int] = set()
         self._probed: set[int] = set()  # batch sizes idled once to measure the lent cores
         self.realized = RealizedRate()  # what speculation gave, round to round
-        self._last_call: tuple[float, int] | None = None  # (when, batch) of the last step
+        self.lent_sd_realized = RealizedRate()  # and SD on the lent cores
+        self._lent_sd = False  # this step is SD on the lent cores (controller.regime)
+        # (when, batch, lent_sd) of the last step
+        self._last_call: tuple[float, int, bool] | None = None
         self.fast_acceptance = AcceptanceFit(0.2)
         self.prefill_s_per_token = PREFILL_S_PER_TOKEN  # the catch-up's cost (_idle_limit)
         self.hit_rate = 0.5  # of lookups, an exponential average (the idle decision's p_hit)
@@ -211,7 +215,8 @@ class DraftWorker:
         self._limit: IdleAdvice | None = None  # this step: the draft idles above limit
         self._round = 0
         self.budget_control = BudgetControl(cfg.fanout.budget)  # fit_to_round
-        # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q.
+        # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q
+        # (set again each step: SD on the lent cores has no cache either).
         self.saguaro_c = cfg.saguaro_c if cfg.async_ else 1.0
         self.fault = os.environ.get(FAULT_ENV, "")
         self.use_ops = device.type == "cuda" or os.environ.get(OPS_ENV) == "1"
@@ -277,13 +282,16 @@ class DraftWorker:
 
     def step(self, updates: list[Update], finished: list[str],
              target_steps: list[TargetStep] = (), k_cap: int | None = None
-             ) -> tuple[list[Result], float, float, "IdleAdvice | None"]:
+             ) -> tuple[list[Result], float, float, "IdleAdvice | None", bool]:
         """Commit each sequence's outcome and return its next speculation (0..K tokens, as
         the controller chose), how long this call waited for the pre-speculation in flight,
         how long it then computed (lookups, fallback; the rest of the target's wait is
         transport) and, when the draft may stay idle, an IdleAdvice: the largest batch
         size at which speculation could pay (the proposer stops calling while the batch is
-        larger) and whether the idling is a probe of the lent cores (ask again soon).
+        larger) and whether the idling is a probe of the lent cores (ask again soon);
+        last, whether this step is SD on the lent cores (controller.regime lent_sd): the
+        proposer then keeps the draft's cores lent to the target for its verification
+        and asks for no pre-speculation.
 
         target_steps: the target's steps measured since the last call (the controller's
         cost model); k_cap: the most tokens a sequence may send (vLLM's
@@ -316,14 +324,18 @@ class DraftWorker:
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._observe_round(updates, t0)
             self._limit = self._idle_limit(len(updates), self._catch_up_tokens(updates))
-            self._last_call = (t0, len(updates))
+            self._lent_sd = self._limit is None and self._lent_sd_step(updates)
+            self.stats.lent_sd_steps += self._lent_sd
+            # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q
+            self.saguaro_c = self.cfg.saguaro_c if self.cfg.async_ and not self._lent_sd else 1.0
+            self._last_call = (t0, len(updates), self._lent_sd)
             results = self._step(updates, finished)
             self._note_models()
             self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
             results = self._send_q(results)
         done = time.perf_counter()
         # hit and miss rounds' waits are the proposer's to split (vllm_glue/metrics.py)
-        return results, wait, done - t0 - wait, self._limit
+        return results, wait, done - t0 - wait, self._limit, self._lent_sd
 
     def _inject_fault(self) -> None:
         """Test-only (FAULT_ENV): die, raise or hang in the N-th step()."""
@@ -368,7 +380,7 @@ class DraftWorker:
             self._observe_outcome(st, sampled)
             cache, roots, aborted = st.cache, st.roots, st.aborted
             st.cache, st.spec, st.roots, st.aborted, st.confidence = None, None, None, False, None
-            if not self.cfg.async_:
+            if not self.cfg.async_ or self._lent_sd:  # nothing pre-speculated
                 misses.append(i)
                 continue
             self.stats.lookups += 1
@@ -394,7 +406,7 @@ class DraftWorker:
                  for i in range(len(updates))]
         plan = self._plan(cands)
         if self._limit is not None or not self._beats_lent_plain(plan, len(updates)):
-            plan = choose_lengths([Candidate(cap=0)] * len(updates), self.target_cost.predict,
+            plan = choose_lengths([Candidate(cap=0)] * len(updates), self._verify_cost().predict,
                                   self.draft_cost.predict)
             cands = [Candidate(cap=0)] * len(updates)
         specs: dict[int, Speculation] = dict(hits)
@@ -485,12 +497,18 @@ class DraftWorker:
         neural = (self.acceptance.rate,) * self.K if not (fast_ok and self.cfg.fallback == "fast") else ()
         return Candidate(free=free, neural=neural, cap=cap, fixed=fixed)
 
+    def _verify_cost(self) -> StepCost:
+        """The line of the target's step this step verifies on: every core's in the
+        lent_sd regime, its own cores' otherwise."""
+        return self.lent_cost if self._lent_sd else self.target_cost
+
     def _plan(self, cands: list[Candidate]):
         """The controller's plan; until the target's step time is known (the first rounds)
         every sequence sends what it can, as plain SD does."""
-        if not self.target_cost.known:
+        verify = self._verify_cost()
+        if not verify.known:
             cands = [Candidate(c.free, c.neural, c.cap, True) for c in cands]
-        return choose_lengths(cands, self.target_cost.predict, self.draft_cost.predict)
+        return choose_lengths(cands, verify.predict, self.draft_cost.predict)
 
     def _final_lengths(self, cands: list[Candidate], specs: dict[int, Speculation],
                        sources: dict[int, str], sunk: float) -> list[int]:
@@ -505,9 +523,9 @@ class DraftWorker:
                 alphas = ()
             else:
                 alphas = self._alphas(spec)
-            fixed = c.fixed or not self.target_cost.known
+            fixed = c.fixed or not self._verify_cost().known
             final.append(Candidate(free=alphas, cap=c.cap, fixed=fixed))
-        return choose_lengths(final, self.target_cost.predict, lambda rows: 0.0,
+        return choose_lengths(final, self._verify_cost().predict, lambda rows: 0.0,
                               sunk_s=sunk).lengths
 
     def _plain_s(self):
@@ -522,7 +540,8 @@ class DraftWorker:
     def _beats_lent_plain(self, plan, batch: int) -> bool:
         """Speculating this step must beat plain decoding on every core (when the
         draft's cores can be lent to the target)."""
-        if not sum(plan.lengths) or self.cfg.controller.force_lengths is not None:
+        if (not sum(plan.lengths) or self.cfg.controller.force_lengths is not None
+                or self._lent_sd):  # lent_sd: the plan's own line is plain decoding's
             return True
         return beats_plain(plan, batch, self._plain_s())
 
@@ -535,8 +554,8 @@ class DraftWorker:
         if (last is None or self._limit is not None or last[1] != len(updates)
                 or any(full is not None or not sampled for _, sampled, full, _ in updates)):
             return
-        self.realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates),
-                              now - last[0], now)
+        realized = self.lent_sd_realized if last[2] else self.realized
+        realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates), now - last[0], now)
 
     def _catch_up_tokens(self, updates: list[Update]) -> int:
         """Tokens the draft must prefill before it can speculate on this batch: those of
@@ -567,10 +586,9 @@ class DraftWorker:
         plain = self._plain_s() or self.target_cost.predict
         now = time.perf_counter()
 
-        def rate(b: int) -> float:  # the model's, or what speculation gave if lower
-            seen = self.realized.rate(b, now)
-            expected = self._expected_rate(b)
-            return expected if seen is None else min(expected, seen)
+        def rate(b: int) -> float:  # the better way to speculate at b
+            lent_sd = self._lent_sd_rate(b, now)
+            return max(self._ssd_rate(b, now), 0.0 if lent_sd is None else lent_sd)
 
         limit = batch_limit(rate, plain, max_batch=batch)
         if limit < batch:
@@ -590,6 +608,46 @@ class DraftWorker:
                 self.stats.catch_up_idles += 1
                 return IdleAdvice(batch - 1, probe=False)
         return None
+
+    def _ssd_rate(self, batch: int, now: float) -> float:
+        """SSD's rate at this batch size: the model's, or what it gave if lower (0 when
+        the regime is pinned to lent_sd)."""
+        if self.cfg.controller.regime == "lent_sd" and self.lent_cost is not None:
+            return 0.0
+        seen = self.realized.rate(batch, now)
+        expected = self._expected_rate(batch)
+        return expected if seen is None else min(expected, seen)
+
+    def _lent_sd_rate(self, batch: int, now: float) -> float | None:
+        """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with the
+        lent cores' step line and the draft's step, the best K up to the cap), or what it
+        gave if lower. None where it is no option (no lent cores, regime ssd) or not
+        known yet (the lent cores or the draft's step not measured)."""
+        if (self.lent_cost is None or self.cfg.controller.regime == "ssd"
+                or not self.lent_cost.known or not self.draft_cost.known):
+            return None
+        a, t, d = self.acceptance.rate, self.lent_cost.predict, self.draft_cost.predict
+        expected = max((sd_rate(a, k, batch, t, d) for k in range(1, self._cap + 1)), default=0.0)
+        seen = self.lent_sd_realized.rate(batch, now)
+        return expected if seen is None else min(expected, seen)
+
+    def _lent_sd_step(self, updates: list[Update]) -> bool:
+        """Whether this step is SD on the lent cores (controller.regime; auto: where it is
+        expected faster than SSD, lent_sd_pays). Never with a new or resynced sequence in
+        the batch: its prompt goes through the draft in the glue pass of a pre-speculation
+        (_catch_up_glue), off the critical path, where SD would draft it on it."""
+        regime = self.cfg.controller.regime
+        if self.lent_cost is None or regime == "ssd" or not updates:
+            return False
+        if any(full is not None or rid not in self.seqs for rid, _, full, _ in updates):
+            return False
+        if regime == "lent_sd":
+            return True
+        now = time.perf_counter()
+        lent_sd = self._lent_sd_rate(len(updates), now)
+        if lent_sd is None or not self.target_cost.known:  # SSD's rounds measure it first
+            return False
+        return lent_sd_pays(self._ssd_rate(len(updates), now), lent_sd)
 
     def _expected_rate(self, batch: int) -> float:
         """Tokens per second speculation is expected to give at this batch size."""
@@ -616,7 +674,7 @@ class DraftWorker:
     def _table_lookups(self, updates: list[Update]) -> dict[str, Speculation | None]:
         """The verified outcomes of every sequence whose branches are on the table, matched
         in one op (cache_lookup) before the round's loop reads them."""
-        if self.table is None or self.cfg.force_cache_miss or not self.cfg.async_:
+        if self.table is None or self.cfg.force_cache_miss or not self.cfg.async_ or self._lent_sd:
             return {}
         queries = [(rid, outcome_from_sampled(sampled)) for rid, sampled, full, _ in updates
                    if full is None and isinstance(getattr(self.seqs.get(rid), "cache", None),
@@ -847,6 +905,7 @@ class DraftWorker:
             return
         if not self._prespeculation_pays(len(rids)):
             self.stats.prespec_skipped += 1
+            self._catch_up_glue(rids)
             return
         self.stats.prespec_runs += 1
         self._prespec_pending = True
@@ -876,6 +935,20 @@ class DraftWorker:
                 cache = SpeculationCache({o: spec for o, spec in zip(outcomes, specs)})
             self.seqs[rid].cache = cache
             self.stats.branches += len(branches)
+
+    def _catch_up_glue(self, rids: list[str]) -> None:
+        """The glue pass alone for the sequences whose KV is far behind (new or resynced:
+        a prompt to prefill), where SD on the lent cores may follow: it drafts on the
+        critical path, so their prefill goes here, off it, while the target decodes on
+        its own cores. Measured at batch 1: a 100-300 token prompt takes 50-150 ms on
+        the draft's core, 3-9% of a 48-token request's decode."""
+        if self.lent_cost is None or self.cfg.controller.regime == "ssd":
+            return
+        behind = [r for r in rids
+                  if len(self.seqs[r].tokens) - len(self.seqs[r].kv_tokens) > self.K + 1]
+        if behind:
+            self.stats.catch_up_glues += 1
+            self._glue(behind)
 
     def _glue(self, rids: list[str]) -> list[torch.Tensor]:
         """Glue pass: run the speculation in flight (after the last verified token) into

@@ -48,6 +48,9 @@ def _counters() -> dict:
             "plain": c("plain_rounds", "Rounds in which no sequence sent draft tokens"),
             "idle": c("idle_rounds", "Plain rounds in which the draft was not called at all "
                       "(speculation cannot pay at that batch size)"),
+            "lent_sd": c("lent_sd_rounds", "Rounds of SD on the lent cores (CPU): the draft "
+                         "drafted while the target waited, and the target verified on every "
+                         "core, the draft's included"),
             "failures": c("draft_failures", "Draft worker failures (its process died, it "
                           "raised, or it did not answer in time); speculation is off until "
                           "a new worker is up"),
@@ -93,6 +96,7 @@ class SaguaroMetrics:
     sent: list[int] = field(default_factory=list)
     plain_rounds: int = 0
     idle_rounds: int = 0
+    lent_sd_rounds: int = 0       # rounds of SD on the lent cores (controller.regime)
     # The draft worker's failures (vllm_glue/supervisor.py), restarts, rounds without it
     draft_failures: int = 0
     draft_restarts: int = 0
@@ -111,7 +115,7 @@ class SaguaroMetrics:
     def record_round(self, flags: list, wait_prespec: float, wait_step: float,
                      draft_s: float = 0.0, unpack_s: float = 0.0,
                      started: float | None = None, lengths: list[int] = (),
-                     transfer_bytes: int = 0) -> None:
+                     transfer_bytes: int = 0, lent_sd: bool = False) -> None:
         if started is not None and self._last_done is not None and started - self._last_done < 5.0:
             self.target_rounds += 1  # not after an idle gap (between requests)
             self.target_s += started - self._last_done
@@ -129,6 +133,7 @@ class SaguaroMetrics:
         hits = sum(f is True for f in flags)
         fallbacks = sum(f is not True and n > 0 for f, n in zip(flags, lengths or [1] * len(flags)))
         self.rounds += 1
+        self.lent_sd_rounds += lent_sd
         self.seqs += len(flags)
         self.lookups += lookups
         self.hits += hits
@@ -143,6 +148,8 @@ class SaguaroMetrics:
         c["fallbacks"].inc(fallbacks)
         c["wait"].inc(wait_prespec + wait_step)
         c["transfer"].inc(transfer_bytes)
+        if lent_sd:
+            c["lent_sd"].inc()
         self._maybe_log()
 
     def record_idle_round(self, seqs: int) -> None:
@@ -200,7 +207,8 @@ class SaguaroMetrics:
         rounds = self.rounds + self.idle_rounds + self.down_rounds
         return (f"lengths sent 0..{len(self.sent) - 1}: {shares}%, plain-decoding rounds "
                 f"{100 * self.plain_rounds / max(rounds, 1):.0f}% (draft idle in "
-                f"{100 * self.idle_rounds / max(rounds, 1):.0f}%)")
+                f"{100 * self.idle_rounds / max(rounds, 1):.0f}%), SD on the lent cores in "
+                f"{100 * self.lent_sd_rounds / max(rounds, 1):.0f}%")
 
     def summary(self) -> str:
         failures = (f", draft worker failures {self.draft_failures} (restarts "

@@ -147,6 +147,9 @@ class SaguaroProposer:
         # requests finished or preempted that the draft worker has not been told of yet
         self._gone: set[str] = set()
         self.lending = None  # CoreLending: the draft's cores for the target while it idles
+        # the last round was SD on the lent cores (the worker's regime): the team stays
+        # whole while the draft drafts, since the target only waits meanwhile
+        self.lent_sd = False
         self.channel = None  # TensorChannel for q (transport 'channel'), rank 0
         self.channel_backend = channel_backend(self.cfg, self.target_device)
 
@@ -267,7 +270,9 @@ class SaguaroProposer:
                 updates.append((rid, None, token_ids_cpu[row, :n].tolist(), tuple(spec)))
             rows.append((row, rid, n))
         drafts: list[list[int]] = [[] for _ in req_ids]
-        if (updates or finished) and self.lending is not None:
+        # a new or resynced sequence makes the round SSD's (DraftWorker._lent_sd_step)
+        keep_lent = self.lent_sd and all(u[2] is None for u in updates)
+        if (updates or finished) and self.lending is not None and not keep_lent:
             self.lending.give_back()  # lent while the batch was empty: the draft runs now
         t0 = time.perf_counter()
         try:
@@ -276,9 +281,9 @@ class SaguaroProposer:
                     pending, self.pending = self.pending, None
                     self.supervisor.get(pending, "pre-speculation")
             prefill = sum(len(u[2]) for u in updates if u[2] is not None)
-            results, waited, computed, limit = self.supervisor.get(self.actor.step.remote(
-                updates, sorted(finished), self.target_steps, k_cap), "step", prefill) \
-                if (updates or finished) else ([], 0.0, 0.0, None)
+            results, waited, computed, limit, lent_sd = self.supervisor.get(
+                self.actor.step.remote(updates, sorted(finished), self.target_steps, k_cap),
+                "step", prefill) if (updates or finished) else ([], 0.0, 0.0, None, False)
             results = self._receive_q(results)
         except DraftUnavailable:  # this round decodes plainly; nothing unverified is kept
             self.mirror.clear()
@@ -289,11 +294,14 @@ class SaguaroProposer:
         for (row, rid, n), (tokens, _, _) in zip(rows, results):
             drafts[row] = tokens
             self.mirror[rid] = _Mirror(n, tokens)
+        self.lent_sd = lent_sd and self.lending is not None
         if limit is not None:
             self.idle_above, self._idle_since = limit.limit, time.monotonic()
             self._probe_rounds = PROBE_ROUNDS if limit.probe else None
             if self.lending is not None:
                 self.lending.lend()
+        elif self.lent_sd:  # the target verifies on every core; nothing to pre-speculate
+            self.lending.lend()
         elif self.cfg.async_ and rows:
             self.pending = self.actor.prespeculate.remote()
         probs = self._draft_probs(len(req_ids), rows, results)
@@ -305,7 +313,8 @@ class SaguaroProposer:
                                       draft_s=computed, unpack_s=t2 - t1,
                                       started=None if fresh else t0,
                                       lengths=[len(tokens) for tokens, _, _ in results],
-                                      transfer_bytes=payload_bytes(updates, results))
+                                      transfer_bytes=payload_bytes(updates, results),
+                                      lent_sd=self.lent_sd)
         # the next target step is clean (decode only) when no row is still prefilling
         if rows and len(rows) == len(req_ids):
             self._width = sum(1 + len(d) for d in drafts)
