@@ -263,7 +263,8 @@ def placement(before: dict, after: dict, wall_s: float) -> dict:
         return {"pid": after[key]["pid"], "threads": len(after[key]["threads"]),
                 "busy_threads": busy,
                 "busy_cores": sorted({c for t in busy for c in t["cores"]}),
-                "all_cores": sorted({c for t in after[key]["threads"] for c in t["cores"]})}
+                "all_cores": sorted({c for t in after[key]["threads"] for c in t["cores"]}),
+                "thread_cores": sorted({tuple(t["cores"]) for t in after[key]["threads"]})}
 
     return {"target": side("target", 0.05), "draft": side("draft_threads", 0.01)}
 
@@ -280,12 +281,16 @@ def forward_ms(before: dict, after: dict, min_calls: int = 5) -> dict[str, float
     return out
 
 
-def check_placement(system: "System", where: dict, pair: list[int], draft_idle: bool = False) -> None:
+def check_placement(system: "System", where: dict, pair: list[int], draft_idle: bool = False,
+                    borrowed: bool = False) -> None:
     """Refuse to report a system whose threads are not where its name says: the target's
     busy threads on its cores (one core, or both for -2c), and for the plugin every
     thread of the draft worker on the other core (Ray's client threads in the target's
     process may sit there too, never on the target's core). draft_idle: the controller
-    left the draft idle (speculation could not pay), so it may have had no work to do."""
+    left the draft idle (speculation could not pay), so it may have had no work to do.
+    borrowed: the engine ran rounds of SD on the lent cores, in which the draft's team
+    grows onto the target's core (DraftWorker._set_team): its threads may sit there, each
+    bound to one core by OpenMP."""
     target, draft = where["target"], where["draft"]
     want = pair[:system.cores] if not system.plugin else pair[:1]
     allowed = [set(want)] + ([set(pair[1:])] if system.plugin else [])
@@ -313,8 +318,11 @@ def check_placement(system: "System", where: dict, pair: list[int], draft_idle: 
     if system.plugin:
         if draft is None:
             problems.append("no draft worker")
-        elif draft["all_cores"] != pair[1:]:
-            problems.append(f"draft threads on cores {draft['all_cores']}, expected {pair[1:]}")
+        elif not all(set(c) <= set(pair[1:]) or borrowed and len(c) == 1 and c[0] in pair
+                     for c in draft.get("thread_cores") or [tuple(t["cores"]) for t in
+                                                            draft["busy_threads"]]):
+            problems.append(f"draft threads on cores {draft['all_cores']}, expected {pair[1:]}"
+                            + (" (or one thread per core of the pair)" if borrowed else ""))
         elif not draft["busy_threads"] and not draft_idle:
             problems.append("the draft worker did no work")
     if problems:
@@ -366,7 +374,8 @@ def run_group(llm, system: System, group: Group, prompts: list[str], s: Settings
     rounds = counters.get("plugin.rounds", 0) + counters.get("plugin.idle_rounds", 0)
     idle = counters.get("plugin.idle_rounds", 0) > 0 or (
         rounds > 0 and counters.get("plugin.plain_rounds", 0) == rounds)
-    check_placement(system, where, s.pair, draft_idle=idle)
+    check_placement(system, where, s.pair, draft_idle=idle,
+                    borrowed=after.get("plugin.lent_sd_rounds", 0) > 0)
     return {"system": system.name, "kind": system.kind, "k": system.k, "cores": system.cores,
             **asdict(group), "max_tokens": s.max_tokens, "n_requests": len(per_tok),
             "n_chunks": len(spans), "per_token_s": per_tok, "spans_s": spans,

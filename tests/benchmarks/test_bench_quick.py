@@ -189,6 +189,13 @@ def test_the_benchmark_refuses_threads_that_are_not_where_it_says():
     check_placement(ssd, _where([_t([0]), _t([1], 0.1, "gcs_client")], [_t([1])]), pair)
     # the draft's core lent: the team's thread there may be busier than the main thread
     check_placement(ssd, _where([_t([0], 5.1), _t([1], 6.1, tid=2)], [_t([1])]), pair)
+    # SD on the lent cores: the draft's team borrows the target's core, a thread bound there
+    borrowing = _where([_t([0])], [_t([1]), _t([0], 0.5, tid=2)])
+    check_placement(ssd, borrowing, pair, borrowed=True)
+    with pytest.raises(SystemExit, match="threads not where the benchmark says"):
+        check_placement(ssd, borrowing, pair)  # no lent_sd round: not borrowed
+    with pytest.raises(SystemExit, match="threads not where the benchmark says"):
+        check_placement(ssd, _where([_t([0])], [_t([0, 1])]), pair, borrowed=True)  # roaming
     bad = [
         (System("ar"), _where([_t([0, 1])])),                          # unbound target
         (System("ar", cores=2), _where([_t([0, 1])])),                  # one thread on 2 cores

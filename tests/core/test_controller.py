@@ -172,12 +172,18 @@ def test_realized_rate_is_known_after_enough_rounds_and_forgotten_after_ttl():
         r.observe(4, tokens=8, seconds=1.0, now=float(i))
     assert r.rate(4, 2.0) is None  # two rounds: not yet
     r.observe(4, tokens=4, seconds=1.0, now=2.0)
-    assert r.rate(4, 2.0) == pytest.approx(6.0)  # 8, 8, then halfway to 4
+    assert r.rate(4, 2.0) == pytest.approx(6.0)  # 8, 8, then halfway to 4 (alpha)
+    r.observe(4, tokens=6, seconds=2.0, now=2.5)  # tokens over seconds, not rates averaged
+    assert r.rate(4, 2.5) == pytest.approx(6.0 / 1.5) and r.rounds(4) == 4
     assert r.rate(1, 2.0) is None  # another batch size: never measured
-    assert r.rate(4, 12.5) is None  # ttl passed: speculation is to be tried again
+    assert r.rate(4, 13.0) is None  # ttl passed: speculation is to be tried again
     for i in range(3):  # measured anew from scratch, the old average forgotten
         r.observe(4, tokens=2, seconds=1.0, now=20.0 + i)
     assert r.rate(4, 22.0) == pytest.approx(2.0)
+    m = RealizedRate(min_rounds=3, alpha=0.1)  # a plain mean while rounds < 1 / alpha
+    for tokens in (1, 2, 3):
+        m.observe(1, tokens=tokens, seconds=0.05, now=0.0)
+    assert m.rate(1, 0.0) == pytest.approx(40.0)
     r.observe(4, tokens=9, seconds=0.0, now=22.0)  # no time: ignored
     assert r.rate(4, 22.0) == pytest.approx(2.0)
 

@@ -164,3 +164,38 @@ def test_the_worker_environment(monkeypatch):
     assert worker_env([1], 1)[FAULT_ENV] == ""  # a restarted worker: no fault
     monkeypatch.setenv(FAULT_ENV, "die_at_step:3:always")
     assert worker_env([1], 2)[FAULT_ENV] == "die_at_step:3:always"
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="borrowing a core needs 2")
+def test_the_team_grows_onto_the_borrowed_cores_only_in_lent_sd_steps(tiny_draft):
+    """ProcessRuntime.start with the target's cores to borrow: the worker times its step
+    on both teams at start, so the thread the team adds is there from the start, bound
+    to the borrowed core; the other threads (main, calls) stay on the draft's core
+    through an SSD step, a pre-speculation and a lent_sd step (run with either OpenMP:
+    they place such threads differently; nothing may be left free on both cores)."""
+    other = min(os.sched_getaffinity(0))
+    cfg = config(tiny_draft, controller={"policy": "auto", "regime": "lent_sd",
+                                         "force_lengths": [2]})
+    process = ProcessRuntime.start(cfg, 512, borrow=[other])
+    try:
+        def cores():
+            threads = ProcessRuntime.get(process.threads.remote(), 30)["threads"]
+            return sorted({tuple(t["cores"]) for t in threads})
+
+        both = sorted([(other,), (CORE,)])
+        assert sorted(cores()) == both
+        prompt = [1, 5, 9, 13, 2, 7] * 20
+        (spec, _, _), = ProcessRuntime.get(process.step.remote([("r", None, prompt, None)], []), 60)[0]
+        ProcessRuntime.get(process.prespeculate.remote(), 60)
+        assert sorted(cores()) == both
+        sampled = spec[:1] + [3]
+        results, _, _, _, lent_sd = ProcessRuntime.get(
+            process.step.remote([("r", sampled, None, None)], []), 60)
+        assert lent_sd and len(results[0][0]) == 2
+        assert sorted(cores()) == both
+        ProcessRuntime.get(process.prespeculate.remote(), 60)
+        assert sorted(cores()) == both
+        stats = ProcessRuntime.get(process.get_stats.remote(), 30)
+        assert stats["lent_sd_steps"] == 1
+    finally:
+        process.kill()

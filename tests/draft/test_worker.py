@@ -1,4 +1,5 @@
 """The draft worker against transformers: forward, fallback drafts and tree-decoded branches."""
+import os
 import time
 
 import pytest
@@ -347,6 +348,14 @@ def test_probable_never_bets_on_the_rejected_token_when_sampling(tiny_target):
 
 # ----------------------------------------------------------------- the length controller
 CHEAP = [(4, 0.050, False), (16, 0.0505, False), (8, 0.0502, False)]  # tokens ~free to verify
+
+
+def dear_draft(w, seconds=0.05):
+    """A draft step of `seconds` (the tiny test draft's is ~free, which would make SD on
+    the lent cores pay wherever they verify fast)."""
+    w.draft_cost = type(w.draft_cost)()
+    w.draft_cost.observe(1, seconds)
+    return w
 DEAR = [(4, 0.05, False), (16, 0.50, False), (8, 0.2, False)]  # a token costs most of a step
 
 
@@ -434,7 +443,7 @@ def test_sampled_confidence_only_where_no_drawn_token_decides(tiny_target):
 def test_speculation_must_beat_plain_decoding_on_the_lent_cores(tiny_target, hf):
     """On CPU the draft's core can run the target while the draft idles: a speculation
     that beats plain decoding on the target's own core but not on both sends nothing."""
-    w = worker(tiny_target, controller={"policy": "auto"})
+    w = dear_draft(worker(tiny_target, controller={"policy": "auto"}))
     p = [5, 17, 99, 3, 250, 7]
     step(w, [("a", None, p, None)], [], CHEAP)
     w.prespeculate()
@@ -482,7 +491,7 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     now = time.perf_counter()
     w._last_call, w._limit = (now - 0.5, 2, False), None
     w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
-    assert w.realized._seen[2][:2] == (pytest.approx(6.0), 1)  # 3 tokens in 0.5 s
+    assert w.realized._seen[2][:3] == (3, pytest.approx(0.5), 1)  # 3 tokens in 0.5 s
     idle = IdleAdvice(0, probe=False)
     for last, limit, updates in [((now - 0.5, 2, False), idle, [("a", [1], None, None)] * 2),
                                  ((now - 0.5, 3, False), None, [("a", [1], None, None)] * 2),
@@ -490,12 +499,12 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
                                                                 ("b", None, [1, 2, 3], None)])]:
         w._last_call, w._limit = last, limit
         w._observe_round(updates, now)
-    assert w.realized._seen[2][1] == 1 and set(w.realized._seen) == {2}
+    assert w.realized.rounds(2) == 1 and set(w.realized._seen) == {2}
     # a round of SD on the lent cores goes to its own measurement
     w._last_call, w._limit = (now - 1.0, 2, True), None
     w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
-    assert w.lent_sd_realized._seen[2][:2] == (pytest.approx(3.0), 1)
-    assert w.realized._seen[2][1] == 1
+    assert w.lent_sd_realized._seen[2][:3] == (3, pytest.approx(1.0), 1)
+    assert w.realized.rounds(2) == 1
 
 
 def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
@@ -526,7 +535,7 @@ def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(ti
     draft idles; with a 5 tokens/s gain it is."""
     from vllm_saguaro.draft.worker import IdleAdvice
 
-    w = worker(tiny_target, controller={"policy": "auto"})
+    w = dear_draft(worker(tiny_target, controller={"policy": "auto"}))  # SSD's rate decides
     for _ in range(4):
         for width, own, lent in [(1, 0.06, 0.04), (2, 0.07, 0.05)]:
             w.target_cost.observe(width, own)
@@ -634,3 +643,27 @@ def test_a_skipped_prespeculation_still_prefills_a_new_prompt(tiny_target, regim
         assert w.stats.catch_up_glues == 1 and len(w.seqs["a"].kv_tokens) >= len(p)
     else:
         assert w.stats.catch_up_glues == 0 and len(w.seqs["a"].kv_tokens) == kv_before < len(p)
+
+
+def test_the_team_borrows_the_target_cores_only_in_lent_sd_steps(tiny_target, hf, monkeypatch):
+    """_set_team: with a core to borrow, the thread computing a lent_sd step asks for a
+    team of its own cores and the borrowed one, an SSD step and a pre-speculation for its
+    own only (the target verifies meanwhile); without one the team is left alone. The
+    draft's step on the larger team goes to a cost line of its own."""
+    teams, bound = [], []
+    monkeypatch.setattr(torch._C, "set_num_threads", teams.append)
+    monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cores: bound.append(set(cores)))
+    w = lent_worker(tiny_target)
+    w._bind_team = lambda: bound.append("team")  # (test_process_actor binds real threads)
+    p = [5, 17, 99, 3, 250, 7]
+    w.step([("a", None, p, None)], [], ())
+    w.prespeculate()
+    assert teams == []  # nothing borrowed: no change
+    w.borrow, w.borrowed = [7], 1
+    w.step([("b", None, p, None)], ["a"], ())  # a new sequence: SSD's step
+    w.prespeculate()
+    assert teams == [w.team, w.team] and bound == [set(w.cores)] * 2
+    results, _, _, _, lent_sd = w.step([("b", hf_greedy(hf, p, 1), None, None)], [], ())
+    assert lent_sd and teams[-1] == w.team + 1 and results[0][0]
+    assert bound[2:] == [set(w.cores), "team"]  # the caller on the draft's core, the team bound
+    assert w.borrowed_draft_cost.known

@@ -121,7 +121,8 @@ def test_greedy_identical_with_sd_on_the_lent_cores(tiny_target, spec_base, refe
                                                     monkeypatch):
     """controller.regime lent_sd through a multiprocess engine started as a user starts it
     (only a multiprocess engine lends the draft's cores to the target's team): drafts of
-    mixed lengths, drafted while the target waits and verified on every core."""
+    mixed lengths, drafted while the target waits (on the target's core too) and verified
+    on every core."""
     from vllm_saguaro.vllm_glue.offline import engine_report
 
     if len(os.sched_getaffinity(0)) < 2:
@@ -142,6 +143,9 @@ def test_greedy_identical_with_sd_on_the_lent_cores(tiny_target, spec_base, refe
     m, d = report["metrics"], report["draft"]
     assert m["lent_sd_rounds"] > 0 and d["lent_sd_steps"] > 0, (m, d)
     assert all(n > 0 for n in m["sent"][:4]), m["sent"]
+    draft_cores = {tuple(t["cores"]) for t in report["draft_threads"]["threads"]}
+    target_core = min(os.sched_getaffinity(0))
+    assert (target_core,) in draft_cores, f"the draft's team never borrowed: {draft_cores}"
 
 
 def test_self_draft_hits(tiny_target, spec_base):

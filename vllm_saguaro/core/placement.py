@@ -194,14 +194,16 @@ def swap_environ(env: dict[str, str | None]) -> dict[str, str | None]:
     return saved
 
 
-def omp_env(cores: list[int]) -> dict[str, str]:
+def omp_env(cores: list[int], threads: int | None = None) -> dict[str, str]:
     """The OpenMP variables that bind a process's threads to `cores`, as vLLM's
     OMPProcessManager.configure_omp_envs exports them for its workers. All three forms
     (plain OMP, GNU's GOMP_, Intel's KMP_) are set to the same cores: a child process
     inherits its parent's, and a stale one (e.g. the target's OMP_PLACES, inherited
-    through Ray from the process that started it) must not bind the draft elsewhere."""
+    through Ray from the process that started it) must not bind the draft elsewhere.
+    threads: the team's size at start (default: one per core); thread i is bound to the
+    i-th core of the list, so a team grown later takes the cores after the first ones."""
     listed = _fmt(cores)
-    return {"OMP_NUM_THREADS": str(len(cores)), "OMP_PLACES": "{" + listed + "}",
+    return {"OMP_NUM_THREADS": str(threads or len(cores)), "OMP_PLACES": "{" + listed + "}",
             "OMP_PROC_BIND": "true", "GOMP_CPU_AFFINITY": " ".join(str(c) for c in cores),
             "KMP_AFFINITY": f"granularity=fine,explicit,proclist=[{listed}]"}
 

@@ -85,7 +85,7 @@ class DraftProcess:
     otherwise inherit the affinity of the thread that starts it: the target's)."""
 
     def __init__(self, config: dict, target_vocab_size: int, env: dict[str, str],
-                 cores: list[int] | None = None):
+                 cores: list[int] | None = None, worker_kwargs: dict | None = None):
         ours, theirs = socket.socketpair()
         child_env = {**os.environ, **env, SYS_PATH_ENV: json.dumps(sys.path)}
         argv = [sys.executable, "-c", BOOT, str(theirs.fileno()),
@@ -104,7 +104,7 @@ class DraftProcess:
         self._next_id = 0
         self._dead: str | None = None
         # the worker's constructor runs first in the child; every call queues behind it
-        self.call("__init__", (config, target_vocab_size), {})
+        self.call("__init__", (config, target_vocab_size), worker_kwargs or {})
 
     @property
     def pid(self) -> int:
@@ -192,11 +192,17 @@ class ProcessRuntime:
     name = "process"
 
     @staticmethod
-    def start(config: dict, target_vocab_size: int, incarnation: int = 0) -> DraftProcess:
+    def start(config: dict, target_vocab_size: int, incarnation: int = 0,
+              borrow: list[int] = ()) -> DraftProcess:
+        """borrow: the target's cores, which the draft's team may grow onto while the
+        target waits for its drafts (DraftWorker._set_team); the process starts bound to
+        them too, so that OpenMP may bind its added threads there."""
         from vllm_saguaro.draft.worker import worker_env
 
         cores = config.get("draft_cpu_cores") if config.get("draft_device", "cpu") == "cpu" else None
-        return DraftProcess(config, target_vocab_size, worker_env(cores, incarnation), cores)
+        borrow = list(borrow) if cores else []
+        return DraftProcess(config, target_vocab_size, worker_env(cores, incarnation, borrow),
+                            cores and list(cores) + borrow, {"borrow": borrow})
 
     @staticmethod
     def get(call: PendingCall, timeout: float | None):

@@ -64,9 +64,11 @@ def start_ray(cores: list[int] | None) -> None:
         swap_environ(saved)
 
 
-def make_ray_worker(config: dict, target_vocab_size: int, incarnation: int = 0):
+def make_ray_worker(config: dict, target_vocab_size: int, incarnation: int = 0,
+                    borrow: list[int] = ()):
     """Start the draft worker as a Ray actor (own process; own cores or own GPU).
-    incarnation: 0 for the first worker, n for the n-th restart after a failure."""
+    incarnation: 0 for the first worker, n for the n-th restart after a failure. borrow
+    is not supported here (the actor stays on its own cores; process_actor does it)."""
     import ray
 
     cores = config.get("draft_cpu_cores") if config.get("draft_device", "cpu") == "cpu" else None

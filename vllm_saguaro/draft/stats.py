@@ -59,6 +59,8 @@ class DraftStats:
     target_per_token_s: float | None = None
     draft_fixed_s: float | None = None
     draft_per_row_s: float | None = None
+    lent_fixed_s: float | None = None      # the target's step on the lent cores (every core)
+    lent_per_token_s: float | None = None
     fast_acceptance_rate: float = 0.0
     # The round's profile: why lookups missed, where the draft's time went.
     miss_k: int = 0

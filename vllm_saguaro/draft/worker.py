@@ -23,9 +23,8 @@ import torch
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
-                                          lent_sd_pays,
                                           beats_plain, catch_up_pays, choose_lengths,
-                                          speculation_pays)
+                                          lent_sd_pays, speculation_pays)
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
@@ -67,14 +66,21 @@ FAULT_ENV = "SAGUARO_FAULT_INJECTION"
 OPS_ENV = "SAGUARO_DRAFT_OPS"
 
 
-def worker_env(cores: list[int] | None, incarnation: int) -> dict[str, str]:
+def worker_env(cores: list[int] | None, incarnation: int,
+               borrow: list[int] = ()) -> dict[str, str]:
     """What a draft worker's process gets added to the target's environment, in either
     runtime (draft/ray_actor.py, draft/process_actor.py): OpenMP bound to the draft's
     cores (not the target's inherited OMP_PLACES), the test switches passed on, and a
     fault injected into the first worker only (incarnation 0) unless ':always'. Intel
     OpenMP's warnings off: it reads KMP_AFFINITY and said, on the server's terminal,
-    that it ignores the OMP_* forms of the same binding (there for GNU OpenMP)."""
-    env = omp_env(cores) if cores else {}
+    that it ignores the OMP_* forms of the same binding (there for GNU OpenMP).
+    borrow: the target's cores, listed after the draft's, where the draft's team may
+    grow while the target waits (DraftWorker._set_team); it starts on the draft's."""
+    env = omp_env(list(cores) + list(borrow), threads=len(cores)) if cores else {}
+    if cores and borrow:
+        # Intel OpenMP's thread on a borrowed core spins this long after the draft's step
+        # before it sleeps, while the target starts its verification there (vLLM sets 5)
+        env["KMP_BLOCKTIME"] = "1"
     if cores:
         env["KMP_WARNINGS"] = "0"
     if os.environ.get(OPS_ENV):
@@ -146,13 +152,18 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return i
 
 
-def bind_to_cores(cores: list[int]) -> None:
+def bind_to_cores(cores: list[int], borrow: list[int] = ()) -> None:
     """Give the draft a 'device' of its own on CPU machines: its own cores and threads.
 
     Every thread of the actor's process is moved (Ray's own threads too: they are started
     before this runs, and a process started from the target's worker inherits its
     binding); OpenMP's pool was bound to these cores by the environment worker_env
-    gave the process."""
+    gave the process. With cores to borrow (the process was started on them too),
+    OpenMP sets up its binding first, while the process may still use them: Intel's
+    takes the cores it may bind to from the process's mask at that moment, and the
+    threads it adds when the team grows go to the borrowed cores, bound by OpenMP."""
+    if borrow:
+        torch.get_num_threads()  # OpenMP's initialisation, its affinity included
     bind_process(cores)
     torch.set_num_threads(len(cores))
 
@@ -167,12 +178,21 @@ def draft_weights(cfg: SaguaroConfig, device: torch.device, dtype: str) -> str:
 
 
 class DraftWorker:
-    def __init__(self, config: dict, target_vocab_size: int, bind: bool = True):
+    def __init__(self, config: dict, target_vocab_size: int, bind: bool = True,
+                 borrow: list[int] = ()):
+        """borrow: the target's cores, where the team grows in lent_sd steps (the
+        process was started bound to them as well: process_actor.ProcessRuntime)."""
         cfg = SaguaroConfig.model_validate(config)
         self.cfg = cfg
+        cores = cfg.draft_cpu_cores or [max(os.sched_getaffinity(0))]
+        # the draft's team on its own cores, and the cores it borrows while the target waits
+        # borrowing needs the draft on one core of its own (_bind_team)
+        self.cores, self.borrow = list(cores), list(borrow) if bind and len(cores) == 1 else []
+        self.team, self.borrowed = len(cores), len(self.borrow)
+        self._task_ids: set[str] = set()  # this process's threads when last bound (_bind_team)
         if cfg.draft_device == "cpu":
             if bind:
-                bind_to_cores(cfg.draft_cpu_cores or [max(os.sched_getaffinity(0))])
+                bind_to_cores(cores, borrow)
             device = torch.device("cpu")
         else:
             device = torch.device(cfg.draft_device)
@@ -197,6 +217,8 @@ class DraftWorker:
         self.target_cost = StepCost(ctl.target_fixed_s, ctl.target_per_token_s,
                                     token_cost=ctl.token_cost)
         self.draft_cost = StepCost()
+        # the same with the target's cores borrowed (lent_sd steps, _set_team)
+        self.borrowed_draft_cost = StepCost()
         # plain decoding with the draft's cores lent to the target (CPU, while idle): the
         # alternative speculation must beat there (None: no lending)
         self.lent_cost = StepCost() if (ctl.lend_cores and ctl.idle and ctl.policy == "auto"
@@ -204,7 +226,12 @@ class DraftWorker:
         self.lent_widths: set[int] = set()
         self._probed: set[int] = set()  # batch sizes idled once to measure the lent cores
         self.realized = RealizedRate()  # what speculation gave, round to round
-        self.lent_sd_realized = RealizedRate()  # and SD on the lent cores
+        # and SD on the lent cores, over more rounds: it is weighed against plain decoding
+        # on the same cores, 0-25% apart at batch 1; kept for 30 s only (the idle recheck):
+        # measured, its first rounds on an engine ran ~25% slower than later ones (new
+        # widths for the target's kernels), enough to idle it for the engine's first
+        # two minutes with the default ttl
+        self.lent_sd_realized = RealizedRate(min_rounds=24, ttl_s=30.0, alpha=0.05)
         self._lent_sd = False  # this step is SD on the lent cores (controller.regime)
         # (when, batch, lent_sd) of the last step
         self._last_call: tuple[float, int, bool] | None = None
@@ -236,6 +263,34 @@ class DraftWorker:
         self._lock = threading.Lock()
         self._abort = threading.Event()
         self._prespec_pending = False  # a pre-speculation ran since the last step
+        if self.lent_cost is not None:
+            self._measure_draft_step()
+
+    def _measure_draft_step(self, steps: int = 4) -> None:
+        """The draft step's cost, on its own cores and with the target's borrowed, before
+        a round needs it: the controller weighs SD on the lent cores with it, and the
+        rounds that would measure it are fallback drafts, which an idle or all-hit draft
+        never runs. Measured before: at batch 1 the draft idled from the third round on,
+        its step never timed, so SD on the lent cores never came into question. Timed
+        here while the target waits for this worker to start (its cores are free): one
+        sequence of 16 tokens, its last one drafted again `steps` times per team."""
+        rid = "\0measure"
+        self.seqs[rid] = SeqState(tokens=list(range(1, 17)))
+        teams = [(self.draft_cost, False)] + ([(self.borrowed_draft_cost, True)]
+                                              if self.borrowed else [])
+        try:
+            for line, borrow in teams:
+                self._set_team(borrow)
+                self._draft_now([rid], 1)  # warm-up (and the prefill)
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    self._draft_now([rid], 1)
+                    line.observe(1, time.perf_counter() - t0)
+                if borrow:
+                    self._bind_team()
+        finally:
+            self._set_team(False)
+            self.drop(rid)
 
     def _fanout(self) -> list[int]:
         f = self.cfg.fanout
@@ -326,16 +381,68 @@ class DraftWorker:
             self._limit = self._idle_limit(len(updates), self._catch_up_tokens(updates))
             self._lent_sd = self._limit is None and self._lent_sd_step(updates)
             self.stats.lent_sd_steps += self._lent_sd
+            self._set_team(self._lent_sd)
             # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q
             self.saguaro_c = self.cfg.saguaro_c if self.cfg.async_ and not self._lent_sd else 1.0
             self._last_call = (t0, len(updates), self._lent_sd)
             results = self._step(updates, finished)
+            if self._lent_sd and self.borrowed:
+                self._bind_team()
             self._note_models()
             self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
             results = self._send_q(results)
         done = time.perf_counter()
         # hit and miss rounds' waits are the proposer's to split (vllm_glue/metrics.py)
         return results, wait, done - t0 - wait, self._limit, self._lent_sd
+
+    def _set_team(self, borrow: bool) -> None:
+        """The OpenMP team of the thread about to compute: the draft's own cores, and in a
+        lent_sd step the target's too (it only waits for the drafts then). Set on every
+        entry, since a team's size is the calling thread's own and step() and
+        prespeculate() may run on either of two threads. Measured at batch 1 (K = 1, the
+        reference pair, 2 cores, T = 0, three engine starts each, benchmarks/results/
+        lent_sd_probe): SD on the lent cores ran 28.4-29.6 tok/s with the draft on both
+        cores against 25.1-27.6 on its own, vLLM's draft_model at K = 1 on both cores
+        27.1-28.4, plain vLLM on both 25.2-26.0."""
+        if self.borrowed:
+            torch._C.set_num_threads(self.team + (self.borrowed if borrow else 0))
+            # Intel OpenMP places a thread that starts a team of its own (a call thread)
+            # on a core of its list, the borrowed ones included: keep it on the draft's
+            os.sched_setaffinity(0, self.cores)
+
+    def _bind_team(self) -> None:
+        """Bind each thread OpenMP added to a team (every thread but Python's: the main
+        and the call threads, which _set_team keeps on the draft's core) to one borrowed
+        core. Neither OpenMP does it for a team whose master it did not start (a call
+        thread): measured, Intel's put the added thread on the draft's core, GNU's left
+        it free on both, and moves the team's master (this thread) onto both too. The
+        draft has one core of its own here (borrowing needs it: a team's added threads
+        are then all borrowed ones). Looked at when the process's threads change (one
+        listdir otherwise)."""
+        os.sched_setaffinity(0, self.cores)
+        tids = set(os.listdir("/proc/self/task"))
+        if tids == self._task_ids:
+            return
+        self._task_ids = tids
+        python = {t.native_id for t in threading.enumerate()}
+        n = 0
+        for t in process_threads():
+            if t.tid in python:
+                continue
+            core = self.borrow[n % len(self.borrow)]
+            n += 1
+            if t.cores != (core,):
+                try:
+                    os.sched_setaffinity(t.tid, {core})
+                except OSError:  # the thread ended meanwhile
+                    pass
+
+    def _draft_cost(self) -> StepCost:
+        """The draft step's line for this step's team: with the target's cores borrowed
+        once that was measured, its own cores' otherwise (the higher cost)."""
+        if self._lent_sd and self.borrowed and self.borrowed_draft_cost.known:
+            return self.borrowed_draft_cost
+        return self.draft_cost
 
     def _inject_fault(self) -> None:
         """Test-only (FAULT_ENV): die, raise or hang in the N-th step()."""
@@ -407,7 +514,7 @@ class DraftWorker:
         plan = self._plan(cands)
         if self._limit is not None or not self._beats_lent_plain(plan, len(updates)):
             plan = choose_lengths([Candidate(cap=0)] * len(updates), self._verify_cost().predict,
-                                  self.draft_cost.predict)
+                                  self._draft_cost().predict)
             cands = [Candidate(cap=0)] * len(updates)
         specs: dict[int, Speculation] = dict(hits)
         sources = {i: "hit" for i in hits}
@@ -430,7 +537,9 @@ class DraftWorker:
                 specs[i], sources[i] = draft, "neural"
             sunk = time.perf_counter() - t0
             if not fresh & set(neural):  # a prefill would inflate the step's time
-                self.draft_cost.observe(len(neural), sunk / plan.draft_steps)
+                line = (self.borrowed_draft_cost if self._lent_sd and self.borrowed
+                        else self.draft_cost)
+                line.observe(len(neural), sunk / plan.draft_steps)
             self.stats.fallback_s += sunk
             self.stats.fallback_rounds += 1
             self.stats.fallback_seqs += len(neural)
@@ -450,6 +559,9 @@ class DraftWorker:
         st, t, d = self.stats, self.target_cost.as_dict(), self.draft_cost.as_dict()
         st.target_fixed_s, st.target_per_token_s = t["fixed_s"], t["per_token_s"]
         st.draft_fixed_s, st.draft_per_row_s = d["fixed_s"], d["per_token_s"]
+        if self.lent_cost is not None:
+            lent = self.lent_cost.as_dict()
+            st.lent_fixed_s, st.lent_per_token_s = lent["fixed_s"], lent["per_token_s"]
         st.acceptance_rate = self.acceptance.rate
         st.fast_acceptance_rate = self.fast_acceptance.rate
 
@@ -508,7 +620,7 @@ class DraftWorker:
         verify = self._verify_cost()
         if not verify.known:
             cands = [Candidate(c.free, c.neural, c.cap, True) for c in cands]
-        return choose_lengths(cands, verify.predict, self.draft_cost.predict)
+        return choose_lengths(cands, verify.predict, self._draft_cost().predict)
 
     def _final_lengths(self, cands: list[Candidate], specs: dict[int, Speculation],
                        sources: dict[int, str], sunk: float) -> list[int]:
@@ -620,13 +732,15 @@ class DraftWorker:
 
     def _lent_sd_rate(self, batch: int, now: float) -> float | None:
         """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with the
-        lent cores' step line and the draft's step, the best K up to the cap), or what it
-        gave if lower. None where it is no option (no lent cores, regime ssd) or not
+        lent cores' step line and the draft's step, on the borrowed cores once measured
+        there, the best K up to the cap), or what it gave if lower. None where it is no option (no lent cores, regime ssd) or not
         known yet (the lent cores or the draft's step not measured)."""
         if (self.lent_cost is None or self.cfg.controller.regime == "ssd"
                 or not self.lent_cost.known or not self.draft_cost.known):
             return None
-        a, t, d = self.acceptance.rate, self.lent_cost.predict, self.draft_cost.predict
+        d = (self.borrowed_draft_cost if self.borrowed and self.borrowed_draft_cost.known
+             else self.draft_cost).predict
+        a, t = self.acceptance.rate, self.lent_cost.predict
         expected = max((sd_rate(a, k, batch, t, d) for k in range(1, self._cap + 1)), default=0.0)
         seen = self.lent_sd_realized.rate(batch, now)
         return expected if seen is None else min(expected, seen)
@@ -896,6 +1010,7 @@ class DraftWorker:
     def prespeculate(self) -> None:
         """Glue, fork and tree-decode for every sequence with a speculation in flight."""
         with self._lock:
+            self._set_team(False)  # the target verifies meanwhile, on its own cores
             self._abort.clear()
             self._prespeculate()
 
@@ -940,8 +1055,8 @@ class DraftWorker:
         """The glue pass alone for the sequences whose KV is far behind (new or resynced:
         a prompt to prefill), where SD on the lent cores may follow: it drafts on the
         critical path, so their prefill goes here, off it, while the target decodes on
-        its own cores. Measured at batch 1: a 100-300 token prompt takes 50-150 ms on
-        the draft's core, 3-9% of a 48-token request's decode."""
+        its own cores (at the draft's ~0.5 ms a token on one core, PREFILL_S_PER_TOKEN, a
+        200-token prompt is ~100 ms: a few % of a short request's decode)."""
         if self.lent_cost is None or self.cfg.controller.regime == "ssd":
             return
         behind = [r for r in rids

@@ -64,18 +64,21 @@ def onednn_handler(cpu_linear):
     return None
 
 
-def lending_binding(draft_cores: list[int]) -> bool:
-    """Whether this worker was started so that its OpenMP team can grow onto the draft's
-    cores: Intel OpenMP's KMP_AFFINITY proclist or GNU OpenMP's GOMP_CPU_AFFINITY ends
-    with them (patches.patch_omp_binding)."""
+def binding_order() -> list[int]:
+    """The cores of this worker's OpenMP affinity list, in order: Intel OpenMP's
+    KMP_AFFINITY proclist or GNU OpenMP's GOMP_CPU_AFFINITY ([] if neither)."""
     kmp = os.environ.get("KMP_AFFINITY", "")
     if "proclist=[" in kmp:
         listed = kmp.split("proclist=[", 1)[1].split("]", 1)[0].replace(" ", "")
     else:
         listed = ",".join(os.environ.get("GOMP_CPU_AFFINITY", "").split())
-    if not listed:
-        return False
-    order = [int(c) for c in listed.split(",") if c.isdigit()]
+    return [int(c) for c in listed.split(",") if c.isdigit()]
+
+
+def lending_binding(draft_cores: list[int]) -> bool:
+    """Whether this worker was started so that its OpenMP team can grow onto the draft's
+    cores: its affinity list ends with them (patches.patch_omp_binding)."""
+    order = binding_order()
     n = len(draft_cores)
     return n > 0 and order[-n:] == sorted(draft_cores) and len(order) > n
 
@@ -86,6 +89,9 @@ class CoreLending:
 
     def __init__(self, draft_cores: list[int], own: int | None = None):
         self.draft_cores = sorted(draft_cores)
+        # the target's own cores, which the draft borrows in turn in lent_sd rounds,
+        # while the target waits for its drafts (DraftWorker._set_team)
+        self.target_cores = [c for c in binding_order() if c not in self.draft_cores]
         team = torch.get_num_threads()
         self.own = own or target_threads() or team  # the target's team on its own cores
         self.lent = team >= self.own + len(self.draft_cores)  # started with the whole team

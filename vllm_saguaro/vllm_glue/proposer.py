@@ -187,8 +187,11 @@ class SaguaroProposer:
                                base_s=sup.restart_s, max_s=sup.restart_max_s)
         worker_config = cfg.to_json_dict()
         runtime = draft_runtime(cfg)
+        # in lent_sd rounds the draft borrows the target's cores in turn (the target waits)
+        borrow = self.lending.target_cores if self.lending is not None else []
         self.supervisor = DraftSupervisor(
-            lambda incarnation: runtime.start(worker_config, self.vocab_size, incarnation),
+            lambda incarnation: runtime.start(worker_config, self.vocab_size, incarnation,
+                                              borrow=borrow),
             runtime, policy, on_event=self.metrics.record_draft_event)
         self.supervisor.start()  # surface load errors (bad checkpoint, vocab) now
         self._connect_channel()
