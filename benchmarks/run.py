@@ -289,7 +289,7 @@ def check_placement(system: "System", where: dict, pair: list[int], draft_idle: 
     process may sit there too, never on the target's core). draft_idle: the controller
     left the draft idle (speculation could not pay), so it may have had no work to do.
     borrowed: the engine ran rounds of SD on the lent cores, in which the draft's team
-    grows onto the target's core (DraftWorker._set_team): its threads may sit there, each
+    grows onto the target's core (draft/team.py): its threads may sit there, each
     bound to one core by OpenMP."""
     target, draft = where["target"], where["draft"]
     want = pair[:system.cores] if not system.plugin else pair[:1]

@@ -646,24 +646,28 @@ def test_a_skipped_prespeculation_still_prefills_a_new_prompt(tiny_target, regim
 
 
 def test_the_team_borrows_the_target_cores_only_in_lent_sd_steps(tiny_target, hf, monkeypatch):
-    """_set_team: with a core to borrow, the thread computing a lent_sd step asks for a
-    team of its own cores and the borrowed one, an SSD step and a pre-speculation for its
-    own only (the target verifies meanwhile); without one the team is left alone. The
-    draft's step on the larger team goes to a cost line of its own."""
+    """DraftTeam.use: with a core to borrow, the thread computing a lent_sd step asks for
+    a team of its own core and the borrowed one, an SSD step and a pre-speculation for its
+    own only (the target verifies meanwhile), each time put back on the draft's core;
+    without one the team is left alone. The draft's step on the larger team goes to a
+    cost line of its own."""
+    from vllm_saguaro.draft.team import DraftTeam
+
     teams, bound = [], []
     monkeypatch.setattr(torch._C, "set_num_threads", teams.append)
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cores: bound.append(set(cores)))
     w = lent_worker(tiny_target)
-    w._bind_team = lambda: bound.append("team")  # (test_process_actor binds real threads)
     p = [5, 17, 99, 3, 250, 7]
     w.step([("a", None, p, None)], [], ())
     w.prespeculate()
-    assert teams == []  # nothing borrowed: no change
-    w.borrow, w.borrowed = [7], 1
+    assert teams == [] and bound == []  # nothing to borrow: no change
+    w.team = DraftTeam([3], [7])
+    w.team.bind_added = lambda: bound.append("added")  # (test_process_actor binds real threads)
     w.step([("b", None, p, None)], ["a"], ())  # a new sequence: SSD's step
     w.prespeculate()
-    assert teams == [w.team, w.team] and bound == [set(w.cores)] * 2
+    assert teams == [1, 1] and bound == [{3}, {3}]
     results, _, _, _, lent_sd = w.step([("b", hf_greedy(hf, p, 1), None, None)], [], ())
-    assert lent_sd and teams[-1] == w.team + 1 and results[0][0]
-    assert bound[2:] == [set(w.cores), "team"]  # the caller on the draft's core, the team bound
+    assert lent_sd and teams[-1] == 2 and results[0][0]
+    assert bound[2:] == [{3}, "added"]
     assert w.borrowed_draft_cost.known
+    assert DraftTeam([0, 1], [2]).borrow == []  # the draft on two cores: no borrowing

@@ -139,7 +139,7 @@ def test_sd_on_the_lent_cores_keeps_the_team_whole():
     p.cfg = SimpleNamespace(draft_sampling="target", async_=True)
     p.channel = None
     p.lending = _Lending()
-    calls, regime = [], iter([False, True, True, False])
+    calls, regime = [], iter([False, True, True, False, True, False])
 
     class Step:
         @staticmethod
@@ -165,7 +165,13 @@ def test_sd_on_the_lent_cores_keeps_the_team_whole():
     assert calls[3:] == [(True, [])] and p.lending.lent
     p.propose_round(["a", "b"], [6, 3], torch.cat([tokens, tokens]), [[9], [3]], set(), None)
     assert calls[4:] == [(False, ["b"]), "prespeculate"] and not p.lending.lent
-    assert p.metrics.lent_sd_rounds == 2 and "SD on the lent cores in 50%" in p.metrics.lengths_summary()
+    p.propose_round(["a", "b"], [7, 4], torch.cat([tokens, tokens]), [[9], [9]], set(), None)
+    assert calls[6:] == [(False, [])] and p.lending.lent
+    # the worker turns to SSD with no new sequence: the cores go back before the
+    # pre-speculation, which runs beside the target's verification
+    p.propose_round(["a", "b"], [8, 5], torch.cat([tokens, tokens]), [[9], [9]], set(), None)
+    assert calls[7:] == [(True, []), "prespeculate"] and not p.lending.lent
+    assert p.metrics.lent_sd_rounds == 3 and "SD on the lent cores in 50%" in p.metrics.lengths_summary()
 
 
 def test_a_batch_arriving_keeps_the_draft_out_and_the_cores_lent():

@@ -195,7 +195,7 @@ class ProcessRuntime:
     def start(config: dict, target_vocab_size: int, incarnation: int = 0,
               borrow: list[int] = ()) -> DraftProcess:
         """borrow: the target's cores, which the draft's team may grow onto while the
-        target waits for its drafts (DraftWorker._set_team); the process starts bound to
+        target waits for its drafts (draft/team.py); the process starts bound to
         them too, so that OpenMP may bind its added threads there."""
         from vllm_saguaro.draft.worker import worker_env
 

@@ -28,7 +28,7 @@ from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, bat
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
-from vllm_saguaro.core.placement import bind_process, omp_env, process_threads
+from vllm_saguaro.core.placement import omp_env, process_threads
 from vllm_saguaro.core.sampling import (SamplingSpec, counts_int16, draft_distribution,
                                         quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
@@ -40,6 +40,7 @@ from vllm_saguaro.draft.linear import fp16_supported
 from vllm_saguaro.draft.model import DraftModel, check_draft_vocabulary
 from vllm_saguaro.draft.speculation_table import SpeculationTable, TableView
 from vllm_saguaro.draft.stats import DraftStats
+from vllm_saguaro.draft.team import DraftTeam
 from vllm_saguaro.ops import saguaro_sample
 
 # (request id, tokens sampled this round or None, full token list on (re)sync or None,
@@ -75,7 +76,7 @@ def worker_env(cores: list[int] | None, incarnation: int,
     OpenMP's warnings off: it reads KMP_AFFINITY and said, on the server's terminal,
     that it ignores the OMP_* forms of the same binding (there for GNU OpenMP).
     borrow: the target's cores, listed after the draft's, where the draft's team may
-    grow while the target waits (DraftWorker._set_team); it starts on the draft's."""
+    grow while the target waits (draft/team.py); it starts on the draft's."""
     env = omp_env(list(cores) + list(borrow), threads=len(cores)) if cores else {}
     if cores and borrow:
         # Intel OpenMP's thread on a borrowed core spins this long after the draft's step
@@ -152,22 +153,6 @@ def _lcp(a: list[int], b: list[int]) -> int:
     return i
 
 
-def bind_to_cores(cores: list[int], borrow: list[int] = ()) -> None:
-    """Give the draft a 'device' of its own on CPU machines: its own cores and threads.
-
-    Every thread of the actor's process is moved (Ray's own threads too: they are started
-    before this runs, and a process started from the target's worker inherits its
-    binding); OpenMP's pool was bound to these cores by the environment worker_env
-    gave the process. With cores to borrow (the process was started on them too),
-    OpenMP sets up its binding first, while the process may still use them: Intel's
-    takes the cores it may bind to from the process's mask at that moment, and the
-    threads it adds when the team grows go to the borrowed cores, bound by OpenMP."""
-    if borrow:
-        torch.get_num_threads()  # OpenMP's initialisation, its affinity included
-    bind_process(cores)
-    torch.set_num_threads(len(cores))
-
-
 def draft_weights(cfg: SaguaroConfig, device: torch.device, dtype: str) -> str:
     """The draft's linear layers (draft/linear.py): fp16 weights where they pay, a float32
     draft on a CPU with fbgemm; 'none' = in the draft's dtype."""
@@ -184,15 +169,12 @@ class DraftWorker:
         process was started bound to them as well: process_actor.ProcessRuntime)."""
         cfg = SaguaroConfig.model_validate(config)
         self.cfg = cfg
-        cores = cfg.draft_cpu_cores or [max(os.sched_getaffinity(0))]
-        # the draft's team on its own cores, and the cores it borrows while the target waits
-        # borrowing needs the draft on one core of its own (_bind_team)
-        self.cores, self.borrow = list(cores), list(borrow) if bind and len(cores) == 1 else []
-        self.team, self.borrowed = len(cores), len(self.borrow)
-        self._task_ids: set[str] = set()  # this process's threads when last bound (_bind_team)
+        # the draft's threads: its own cores, and the target's it borrows while it waits
+        self.team = DraftTeam(cfg.draft_cpu_cores or [max(os.sched_getaffinity(0))],
+                              borrow if bind else [])
         if cfg.draft_device == "cpu":
             if bind:
-                bind_to_cores(cores, borrow)
+                self.team.bind()
             device = torch.device("cpu")
         else:
             device = torch.device(cfg.draft_device)
@@ -217,7 +199,7 @@ class DraftWorker:
         self.target_cost = StepCost(ctl.target_fixed_s, ctl.target_per_token_s,
                                     token_cost=ctl.token_cost)
         self.draft_cost = StepCost()
-        # the same with the target's cores borrowed (lent_sd steps, _set_team)
+        # the same with the target's cores borrowed (lent_sd steps, draft/team.py)
         self.borrowed_draft_cost = StepCost()
         # plain decoding with the draft's cores lent to the target (CPU, while idle): the
         # alternative speculation must beat there (None: no lending)
@@ -227,14 +209,18 @@ class DraftWorker:
         self._probed: set[int] = set()  # batch sizes idled once to measure the lent cores
         self.realized = RealizedRate()  # what speculation gave, round to round
         # and SD on the lent cores, over more rounds: it is weighed against plain decoding
-        # on the same cores, 0-25% apart at batch 1; kept for 30 s only (the idle recheck):
-        # measured, its first rounds on an engine ran ~25% slower than later ones (new
-        # widths for the target's kernels), enough to idle it for the engine's first
-        # two minutes with the default ttl
-        self.lent_sd_realized = RealizedRate(min_rounds=24, ttl_s=30.0, alpha=0.05)
+        # on the same cores, 0-25% apart at batch 1, and its first rounds on an engine ran
+        # ~25% slower than later ones (measured: 25.7 tok/s over the first 24 rounds, 32
+        # over the first 48, plain decoding 25); kept for 30 s only (the idle recheck), so
+        # that a low first measurement does not idle it for the default two minutes
+        self.lent_sd_realized = RealizedRate(min_rounds=48, ttl_s=30.0, alpha=0.05)
         self._lent_sd = False  # this step is SD on the lent cores (controller.regime)
         # (when, batch, lent_sd) of the last step
         self._last_call: tuple[float, int, bool] | None = None
+        self._last_compute_s = 0.0  # the last step's own time (the lent_sd overhead's part)
+        # what a round of SD on the lent cores costs beyond the target's step and the
+        # draft's (the round trip, the proposer, vLLM's verification path), an average
+        self.lent_sd_overhead: float | None = None
         self.fast_acceptance = AcceptanceFit(0.2)
         self.prefill_s_per_token = PREFILL_S_PER_TOKEN  # the catch-up's cost (_idle_limit)
         self.hit_rate = 0.5  # of lookups, an exponential average (the idle decision's p_hit)
@@ -273,24 +259,29 @@ class DraftWorker:
         never runs. Measured before: at batch 1 the draft idled from the third round on,
         its step never timed, so SD on the lent cores never came into question. Timed
         here while the target waits for this worker to start (its cores are free): one
-        sequence of 16 tokens, its last one drafted again `steps` times per team."""
-        rid = "\0measure"
-        self.seqs[rid] = SeqState(tokens=list(range(1, 17)))
+        sequence and a batch of 4, each of 16 tokens, their last drafted again `steps` times
+        per team (two batch sizes: the line's slope by rows; with one, its prior
+        underrated the draft at batch 4 and SD on the lent cores ran 0.85x plain decoding)."""
+        rids = [f"\0measure{i}" for i in range(4)]
+        for rid in rids:
+            self.seqs[rid] = SeqState(tokens=list(range(1, 17)))
         teams = [(self.draft_cost, False)] + ([(self.borrowed_draft_cost, True)]
-                                              if self.borrowed else [])
+                                              if self.team.borrows else [])
         try:
-            for line, borrow in teams:
-                self._set_team(borrow)
-                self._draft_now([rid], 1)  # warm-up (and the prefill)
-                for _ in range(steps):
-                    t0 = time.perf_counter()
-                    self._draft_now([rid], 1)
-                    line.observe(1, time.perf_counter() - t0)
-                if borrow:
-                    self._bind_team()
+            for line, borrowed in teams:
+                self.team.use(borrowed)
+                for batch in (rids[:1], rids):
+                    self._draft_now(batch, 1)  # warm-up (and the prefill)
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        self._draft_now(batch, 1)
+                        line.observe(len(batch), time.perf_counter() - t0)
+                if borrowed:
+                    self.team.bind_added()
         finally:
-            self._set_team(False)
-            self.drop(rid)
+            self.team.use(False)
+            for rid in rids:
+                self.drop(rid)
 
     def _fanout(self) -> list[int]:
         f = self.cfg.fanout
@@ -377,70 +368,29 @@ class DraftWorker:
                     self.lent_cost.observe(width, seconds)
                     self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
-            self._observe_round(updates, t0)
+            self._observe_round(updates, t0, target_steps[-1][1] if target_steps else None)
             self._limit = self._idle_limit(len(updates), self._catch_up_tokens(updates))
             self._lent_sd = self._limit is None and self._lent_sd_step(updates)
             self.stats.lent_sd_steps += self._lent_sd
-            self._set_team(self._lent_sd)
+            self.team.use(self._lent_sd)  # lent_sd: the target waits, its cores are free
             # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q
             self.saguaro_c = self.cfg.saguaro_c if self.cfg.async_ and not self._lent_sd else 1.0
             self._last_call = (t0, len(updates), self._lent_sd)
             results = self._step(updates, finished)
-            if self._lent_sd and self.borrowed:
-                self._bind_team()
+            if self._lent_sd:
+                self.team.bind_added()
             self._note_models()
             self.stats.q_bytes += sum(q.nbytes for _, _, q in results if q is not None)
             results = self._send_q(results)
         done = time.perf_counter()
+        self._last_compute_s = done - t0
         # hit and miss rounds' waits are the proposer's to split (vllm_glue/metrics.py)
         return results, wait, done - t0 - wait, self._limit, self._lent_sd
-
-    def _set_team(self, borrow: bool) -> None:
-        """The OpenMP team of the thread about to compute: the draft's own cores, and in a
-        lent_sd step the target's too (it only waits for the drafts then). Set on every
-        entry, since a team's size is the calling thread's own and step() and
-        prespeculate() may run on either of two threads. Measured at batch 1 (K = 1, the
-        reference pair, 2 cores, T = 0, three engine starts each, benchmarks/results/
-        lent_sd_probe): SD on the lent cores ran 28.4-29.6 tok/s with the draft on both
-        cores against 25.1-27.6 on its own, vLLM's draft_model at K = 1 on both cores
-        27.1-28.4, plain vLLM on both 25.2-26.0."""
-        if self.borrowed:
-            torch._C.set_num_threads(self.team + (self.borrowed if borrow else 0))
-            # Intel OpenMP places a thread that starts a team of its own (a call thread)
-            # on a core of its list, the borrowed ones included: keep it on the draft's
-            os.sched_setaffinity(0, self.cores)
-
-    def _bind_team(self) -> None:
-        """Bind each thread OpenMP added to a team (every thread but Python's: the main
-        and the call threads, which _set_team keeps on the draft's core) to one borrowed
-        core. Neither OpenMP does it for a team whose master it did not start (a call
-        thread): measured, Intel's put the added thread on the draft's core, GNU's left
-        it free on both, and moves the team's master (this thread) onto both too. The
-        draft has one core of its own here (borrowing needs it: a team's added threads
-        are then all borrowed ones). Looked at when the process's threads change (one
-        listdir otherwise)."""
-        os.sched_setaffinity(0, self.cores)
-        tids = set(os.listdir("/proc/self/task"))
-        if tids == self._task_ids:
-            return
-        self._task_ids = tids
-        python = {t.native_id for t in threading.enumerate()}
-        n = 0
-        for t in process_threads():
-            if t.tid in python:
-                continue
-            core = self.borrow[n % len(self.borrow)]
-            n += 1
-            if t.cores != (core,):
-                try:
-                    os.sched_setaffinity(t.tid, {core})
-                except OSError:  # the thread ended meanwhile
-                    pass
 
     def _draft_cost(self) -> StepCost:
         """The draft step's line for this step's team: with the target's cores borrowed
         once that was measured, its own cores' otherwise (the higher cost)."""
-        if self._lent_sd and self.borrowed and self.borrowed_draft_cost.known:
+        if self._lent_sd and self.team.borrows and self.borrowed_draft_cost.known:
             return self.borrowed_draft_cost
         return self.draft_cost
 
@@ -537,7 +487,7 @@ class DraftWorker:
                 specs[i], sources[i] = draft, "neural"
             sunk = time.perf_counter() - t0
             if not fresh & set(neural):  # a prefill would inflate the step's time
-                line = (self.borrowed_draft_cost if self._lent_sd and self.borrowed
+                line = (self.borrowed_draft_cost if self._lent_sd and self.team.borrows
                         else self.draft_cost)
                 line.observe(len(neural), sunk / plan.draft_steps)
             self.stats.fallback_s += sunk
@@ -657,17 +607,24 @@ class DraftWorker:
             return True
         return beats_plain(plan, batch, self._plain_s())
 
-    def _observe_round(self, updates: list[Update], now: float) -> None:
+    def _observe_round(self, updates: list[Update], now: float,
+                       target_s: float | None = None) -> None:
         """The last round's realized rate (RealizedRate): the tokens this call commits over
         the time since the last call, when that call speculated at the same batch size
         and every sequence continues (no new or resynced one: a prefill round). Runs
-        before this call's idle decision: self._limit is still the last call's."""
+        before this call's idle decision: self._limit is still the last call's. For a
+        round of SD on the lent cores, also what it cost beyond the target's step
+        (target_s, measured by the proposer) and this worker's step: lent_sd_overhead."""
         last = self._last_call
         if (last is None or self._limit is not None or last[1] != len(updates)
                 or any(full is not None or not sampled for _, sampled, full, _ in updates)):
             return
         realized = self.lent_sd_realized if last[2] else self.realized
         realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates), now - last[0], now)
+        if last[2] and target_s is not None:
+            over = max(0.0, now - last[0] - target_s - self._last_compute_s)
+            self.lent_sd_overhead = (over if self.lent_sd_overhead is None
+                                     else 0.9 * self.lent_sd_overhead + 0.1 * over)
 
     def _catch_up_tokens(self, updates: list[Update]) -> int:
         """Tokens the draft must prefill before it can speculate on this batch: those of
@@ -738,10 +695,11 @@ class DraftWorker:
         if (self.lent_cost is None or self.cfg.controller.regime == "ssd"
                 or not self.lent_cost.known or not self.draft_cost.known):
             return None
-        d = (self.borrowed_draft_cost if self.borrowed and self.borrowed_draft_cost.known
+        d = (self.borrowed_draft_cost if self.team.borrows and self.borrowed_draft_cost.known
              else self.draft_cost).predict
-        a, t = self.acceptance.rate, self.lent_cost.predict
-        expected = max((sd_rate(a, k, batch, t, d) for k in range(1, self._cap + 1)), default=0.0)
+        a, t, over = self.acceptance.rate, self.lent_cost.predict, self.lent_sd_overhead or 0.0
+        expected = max((sd_rate(a, k, batch, t, d, overhead_s=over)
+                        for k in range(1, self._cap + 1)), default=0.0)
         seen = self.lent_sd_realized.rate(batch, now)
         return expected if seen is None else min(expected, seen)
 
@@ -1010,7 +968,7 @@ class DraftWorker:
     def prespeculate(self) -> None:
         """Glue, fork and tree-decode for every sequence with a speculation in flight."""
         with self._lock:
-            self._set_team(False)  # the target verifies meanwhile, on its own cores
+            self.team.use(False)  # the target verifies meanwhile, on its own cores
             self._abort.clear()
             self._prespeculate()
 

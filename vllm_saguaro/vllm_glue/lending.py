@@ -90,7 +90,7 @@ class CoreLending:
     def __init__(self, draft_cores: list[int], own: int | None = None):
         self.draft_cores = sorted(draft_cores)
         # the target's own cores, which the draft borrows in turn in lent_sd rounds,
-        # while the target waits for its drafts (DraftWorker._set_team)
+        # while the target waits for its drafts (draft/team.py)
         self.target_cores = [c for c in binding_order() if c not in self.draft_cores]
         team = torch.get_num_threads()
         self.own = own or target_threads() or team  # the target's team on its own cores

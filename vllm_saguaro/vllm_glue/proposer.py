@@ -306,6 +306,8 @@ class SaguaroProposer:
         elif self.lent_sd:  # the target verifies on every core; nothing to pre-speculate
             self.lending.lend()
         elif self.cfg.async_ and rows:
+            if self.lending is not None:  # still lent if the last round was lent_sd's
+                self.lending.give_back()
             self.pending = self.actor.prespeculate.remote()
         probs = self._draft_probs(len(req_ids), rows, results)
         t2 = time.perf_counter()
