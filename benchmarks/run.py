@@ -78,6 +78,7 @@ class System:
     controller: str | None = None   # the plugin's controller policy (None: its default, auto)
     schedule: tuple | None = None   # vLLM's num_speculative_tokens_per_batch_size
     runtime: str | None = None      # the plugin's draft_runtime (None: its default)
+    regime: str | None = None       # the plugin's controller.regime (None: its default)
 
     @property
     def plugin(self) -> bool:
@@ -106,6 +107,8 @@ class System:
             name += "-sched"
         if self.runtime:
             name += "-" + self.runtime
+        if self.regime:
+            name += "-" + self.regime
         return name + ("-2c" if self.cores == 2 else "")
 
     def spec(self, draft: str, s: "Settings") -> dict | None:
@@ -123,6 +126,8 @@ class System:
             spec["draft_weights"] = s.draft_weights
         if self.controller:
             spec["controller"] = {"policy": self.controller}
+        if self.regime:
+            spec["controller"] = {**spec.get("controller", {}), "regime": self.regime}
         if self.schedule:
             spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in self.schedule]
         if self.runtime:
@@ -205,7 +210,9 @@ def plan_systems(s: Settings) -> list[System]:
                            schedule=s.schedule or SCHEDULE),
                     System("sync_sd", k, controller="fixed"),
                     # the draft as a Ray actor, the CPU runtime before the child process
-                    System("ssd", k, budget=s.budget, runtime="ray")]
+                    System("ssd", k, budget=s.budget, runtime="ray"),
+                    # SD on the lent cores where the controller expects it faster
+                    System("ssd", k, budget=s.budget, regime="auto")]
     if s.systems:
         unknown = set(s.systems) - {x.name for x in systems}
         if unknown:

@@ -78,12 +78,14 @@ class ControllerConfig(BaseModel):
     lend_cores: bool = Field(
         True, description="CPU: while the draft idles, the target's threads run on the "
         "draft's cores too (vllm_glue/lending.py), so plain decoding has every core")
-    regime: Literal["auto", "ssd", "lent_sd"] = Field(
-        "auto", description="CPU with lend_cores: how a round speculates. ssd: the draft "
+    regime: Literal["ssd", "auto", "lent_sd"] = Field(
+        "ssd", description="CPU with lend_cores: how a round speculates. ssd: the draft "
         "pre-speculates on its own cores while the target verifies on its own; lent_sd: "
-        "synchronous SD, the draft drafts while the target waits and the target verifies on "
-        "every core (no pre-speculation); auto: whichever is expected faster at the batch "
-        "size running (plain decoding on every core when neither beats it)")
+        "synchronous SD, the draft drafts while the target waits (on the target's cores "
+        "too) and the target verifies on every core (no pre-speculation); auto: whichever "
+        "is expected faster at the batch size running (plain decoding on every core when "
+        "neither beats it). Not the default yet: auto measured 1.04-1.15x plain decoding "
+        "at batch 1 and 0.85-0.93x at batch 4 (README, issue 19's tenth round)")
     force_lengths: list[int] | None = Field(
         None, description="testing switch: row i of round r sends force_lengths[(i + r) % n] "
         "tokens (capped by what it has); the losslessness tests use it for mixed lengths")

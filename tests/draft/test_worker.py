@@ -500,11 +500,16 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
         w._last_call, w._limit = last, limit
         w._observe_round(updates, now)
     assert w.realized.rounds(2) == 1 and set(w.realized._seen) == {2}
-    # a round of SD on the lent cores goes to its own measurement
+    # a round of SD on the lent cores goes to its own measurement; what it cost beyond
+    # the target's step and the draft's forwards only from the second such round in a row
     w._last_call, w._limit = (now - 1.0, 2, True), None
-    w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
+    w._lent_sd_steps, w._last_draft_s = 1, 0.2
+    w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now, target_s=0.5)
     assert w.lent_sd_realized._seen[2][:3] == (3, pytest.approx(1.0), 1)
-    assert w.realized.rounds(2) == 1
+    assert w.realized.rounds(2) == 1 and w.lent_sd_overhead is None
+    w._lent_sd_steps = 2
+    w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now, target_s=0.5)
+    assert w.lent_sd_overhead == pytest.approx(0.3)  # 1 s - 0.5 target - 0.2 drafting
 
 
 def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
@@ -613,7 +618,7 @@ def test_sd_on_the_lent_cores_where_it_beats_ssd(tiny_target, hf, regime):
 def test_ssd_where_the_lent_cores_verify_no_faster(tiny_target, hf):
     """auto: the same, but the lent cores verify no faster than the target's own core,
     so SD on them has nothing over SSD (whose draft works beside the verification)."""
-    w = lent_worker(tiny_target)
+    w = lent_worker(tiny_target, regime="auto")
     w.lent_cost = type(w.target_cost)()
     for _ in range(4):
         for width, lent in [(1, 0.06), (2, 0.0605), (4, 0.061)]:
@@ -656,7 +661,7 @@ def test_the_team_borrows_the_target_cores_only_in_lent_sd_steps(tiny_target, hf
     teams, bound = [], []
     monkeypatch.setattr(torch._C, "set_num_threads", teams.append)
     monkeypatch.setattr(os, "sched_setaffinity", lambda tid, cores: bound.append(set(cores)))
-    w = lent_worker(tiny_target)
+    w = lent_worker(tiny_target, regime="auto")
     p = [5, 17, 99, 3, 250, 7]
     w.step([("a", None, p, None)], [], ())
     w.prespeculate()

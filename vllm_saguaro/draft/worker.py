@@ -251,7 +251,7 @@ class DraftWorker:
         self._lock = threading.Lock()
         self._abort = threading.Event()
         self._prespec_pending = False  # a pre-speculation ran since the last step
-        if self.lent_cost is not None:
+        if self.lent_cost is not None and cfg.controller.regime != "ssd":
             self._measure_draft_step()
 
     def _measure_draft_step(self, steps: int = 4) -> None:

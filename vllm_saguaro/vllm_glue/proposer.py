@@ -188,7 +188,8 @@ class SaguaroProposer:
         worker_config = cfg.to_json_dict()
         runtime = draft_runtime(cfg)
         # in lent_sd rounds the draft borrows the target's cores in turn (the target waits)
-        borrow = self.lending.target_cores if self.lending is not None else []
+        borrow = (self.lending.target_cores
+                  if self.lending is not None and cfg.controller.regime != "ssd" else [])
         self.supervisor = DraftSupervisor(
             lambda incarnation: runtime.start(worker_config, self.vocab_size, incarnation,
                                               borrow=borrow),
