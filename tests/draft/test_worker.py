@@ -676,3 +676,17 @@ def test_the_team_borrows_the_target_cores_only_in_lent_sd_steps(tiny_target, hf
     assert bound[2:] == [{3}, "added"]
     assert w.borrowed_draft_cost.known
     assert DraftTeam([0, 1], [2]).borrow == []  # the draft on two cores: no borrowing
+
+
+def test_verifications_on_the_lent_cores_have_a_line_of_their_own(tiny_target, hf):
+    """A target step with draft tokens on the lent cores (the proposer's fourth field)
+    fits the lent_sd line, not plain decoding's on the same cores, which SD on the lent
+    cores is weighed against; without the field a lent step is plain decoding's."""
+    w = lent_worker(tiny_target, regime="auto")
+    before = w.lent_cost.predict(1)
+    p = [5, 17, 99, 3, 250, 7]
+    w.step([("a", None, p, None)], [], [(2, 0.09, True, True), (4, 0.1, True, True)])
+    assert w.lent_sd_cost.predict(2) == pytest.approx(0.09, rel=0.05)
+    assert w.lent_cost.predict(1) == pytest.approx(before)
+    w.step([("a", hf_greedy(hf, p, 1), None, None)], [], [(1, 0.5, True)])
+    assert w.lent_cost.predict(1) > before

@@ -50,8 +50,8 @@ Update = tuple[str, "list[int] | None", "list[int] | None", "tuple | None"]
 #  (core/sampling.py) or None for greedy)
 Result = tuple[list[int], "bool | None", object]
 # A target step the proposer measured: (tokens it verified, seconds, whether it ran on the
-# draft's cores too: vllm_glue/lending.py)
-TargetStep = tuple[int, float, bool]
+# draft's cores too: vllm_glue/lending.py[, whether it verified draft tokens])
+TargetStep = tuple[int, float, bool] | tuple[int, float, bool, bool]
 
 # Test-only fault injection. "unmodified_q": verify with the unmodified draft q instead of
 # the sigma the draft sampled from (the losslessness tests show they catch such a bug).
@@ -206,6 +206,11 @@ class DraftWorker:
         self.lent_cost = StepCost() if (ctl.lend_cores and ctl.idle and ctl.policy == "auto"
                                         and cfg.draft_device == "cpu") else None
         self.lent_widths: set[int] = set()
+        # and a verification of draft tokens there (SD on the lent cores), kept apart:
+        # vLLM's verification path costs more than a plain step at the same width, and
+        # one line for both raises plain decoding's estimate (suspected at batch 4, where
+        # SD on the lent cores ran 0.89x plain decoding while expected faster)
+        self.lent_sd_cost = StepCost() if self.lent_cost is not None else None
         self._probed: set[int] = set()  # batch sizes idled once to measure the lent cores
         self.realized = RealizedRate()  # what speculation gave, round to round
         # and SD on the lent cores, over more rounds: it is weighed against plain decoding
@@ -363,9 +368,11 @@ class DraftWorker:
             if self._prespec_pending and self.cfg.fanout.fit_to_round:
                 self.budget_control.observe(overran)
             self._prespec_pending = False
-            for width, seconds, lent in target_steps:
+            for width, seconds, lent, *drafted in target_steps:
                 if not lent:
                     self.target_cost.observe(width, seconds)
+                elif drafted and drafted[0] and self.lent_sd_cost is not None:
+                    self.lent_sd_cost.observe(width, seconds)
                 elif self.lent_cost is not None:
                     self.lent_cost.observe(width, seconds)
                     self.lent_widths.add(width)
@@ -565,7 +572,9 @@ class DraftWorker:
     def _verify_cost(self) -> StepCost:
         """The line of the target's step this step verifies on: every core's in the
         lent_sd regime, its own cores' otherwise."""
-        return self.lent_cost if self._lent_sd else self.target_cost
+        if self._lent_sd:
+            return self.lent_sd_cost if self.lent_sd_cost.known else self.lent_cost
+        return self.target_cost
 
     def _plan(self, cands: list[Candidate]):
         """The controller's plan; until the target's step time is known (the first rounds)
@@ -706,7 +715,8 @@ class DraftWorker:
             return None
         d = (self.borrowed_draft_cost if self.team.borrows and self.borrowed_draft_cost.known
              else self.draft_cost).predict
-        a, t, over = self.acceptance.rate, self.lent_cost.predict, self.lent_sd_overhead or 0.0
+        verify = self.lent_sd_cost if self.lent_sd_cost.known else self.lent_cost
+        a, t, over = self.acceptance.rate, verify.predict, self.lent_sd_overhead or 0.0
         expected = max((sd_rate(a, k, batch, t, d, overhead_s=over)
                         for k in range(1, self._cap + 1)), default=0.0)
         seen = self.lent_sd_realized.rate(batch, now)

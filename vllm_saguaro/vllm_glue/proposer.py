@@ -137,7 +137,9 @@ class SaguaroProposer:
         self.head_ids = None         # the draft head's vocabulary ids (q's columns)
         self.mirror: dict[str, _Mirror] = {}
         self.metrics = SaguaroMetrics(self.cfg.log_stats_interval_s)
-        self.target_steps: list[tuple[int, float, bool]] = []  # measured since the last call
+        # measured since the last call: (width, seconds, lent, with draft tokens)
+        self.target_steps: list[tuple[int, float, bool, bool]] = []
+        self._drafted = False  # the next target step verifies draft tokens
         self._width: int | None = None    # tokens the last round verified (None: not clean)
         self._last_done: float | None = None
         self._prev_ids: set[str] = set()  # the batch's requests at the last call
@@ -235,13 +237,15 @@ class SaguaroProposer:
         if (self._width is not None and not joined and self._last_done is not None
                 and start - self._last_done < 5.0):
             lent = self.lending is not None and self.lending.lent
-            self.target_steps = (self.target_steps + [(self._width, start - self._last_done, lent)])[-8:]
+            step = (self._width, start - self._last_done, lent, self._drafted)
+            self.target_steps = (self.target_steps + [step])[-8:]
         decoding = sum(1 for s in sampled_token_ids if s)
         self._width = None
         # a batch arriving: requests joined, and the draft holds none of the batch's yet
         arriving = joined and not any(rid in self.mirror for rid in req_ids)
         if self._idle(len(req_ids), decoding, finished, arriving):
             self._width = decoding if decoding == len(req_ids) else None
+            self._drafted = False
             self.metrics.record_idle_round(decoding)
             self._last_done = time.perf_counter()
             self.metrics.round_done(self._last_done)
@@ -324,6 +328,7 @@ class SaguaroProposer:
         # the next target step is clean (decode only) when no row is still prefilling
         if rows and len(rows) == len(req_ids):
             self._width = sum(1 + len(d) for d in drafts)
+            self._drafted = any(drafts)
         self._last_done = time.perf_counter()
         self.metrics.round_done(self._last_done)
         return drafts, probs
