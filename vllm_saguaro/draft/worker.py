@@ -267,8 +267,8 @@ class DraftWorker:
         its step never timed, so SD on the lent cores never came into question. Timed
         here while the target waits for this worker to start (its cores are free): one
         sequence and a batch of 4, each of 16 tokens, their last drafted again `steps` times
-        per team (two batch sizes: the line's slope by rows; with one, its prior
-        underrated the draft at batch 4 and SD on the lent cores ran 0.85x plain decoding)."""
+        per team (two batch sizes give the line's slope by rows, which one leaves to a
+        prior)."""
         rids = [f"\0measure{i}" for i in range(4)]
         for rid in rids:
             self.seqs[rid] = SeqState(tokens=list(range(1, 17)))
