@@ -84,8 +84,8 @@ class ControllerConfig(BaseModel):
         "synchronous SD, the draft drafts while the target waits (on the target's cores "
         "too) and the target verifies on every core (no pre-speculation); auto: whichever "
         "is expected faster at the batch size running (plain decoding on every core when "
-        "neither beats it). Not the default yet: auto measured 1.04-1.15x plain decoding "
-        "at batch 1 and 0.85-0.93x at batch 4 (README, issue 19's tenth round)")
+        "neither beats it). Not the default yet: auto measured 1.14-1.15x plain vLLM at "
+        "batch 1 on MT-Bench but 0.89-0.90x at batch 4 (README, issue 19's tenth round)")
     force_lengths: list[int] | None = Field(
         None, description="testing switch: row i of round r sends force_lengths[(i + r) % n] "
         "tokens (capped by what it has); the losslessness tests use it for mixed lengths")
