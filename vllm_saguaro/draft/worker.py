@@ -397,11 +397,17 @@ class DraftWorker:
         return results, wait, done - t0 - wait, self._limit, self._lent_sd
 
     def _draft_cost(self) -> StepCost:
-        """The draft step's line for this step's team: with the target's cores borrowed
-        once that was measured, its own cores' otherwise (the higher cost)."""
-        if self._lent_sd and self.team.borrows and self.borrowed_draft_cost.known:
-            return self.borrowed_draft_cost
-        return self.draft_cost
+        """The draft step's line for this step's team (_lent_sd_lines in a lent_sd step)."""
+        return self._lent_sd_lines()[1] if self._lent_sd else self.draft_cost
+
+    def _lent_sd_lines(self) -> tuple[StepCost, StepCost]:
+        """SD on the lent cores' lines, (verification, draft step): their own once
+        measured, else plain decoding's on the lent cores and the draft's on its own
+        cores (the higher cost)."""
+        verify = self.lent_sd_cost if self.lent_sd_cost.known else self.lent_cost
+        draft = (self.borrowed_draft_cost if self.team.borrows and self.borrowed_draft_cost.known
+                 else self.draft_cost)
+        return verify, draft
 
     def _inject_fault(self) -> None:
         """Test-only (FAULT_ENV): die, raise or hang in the N-th step()."""
@@ -572,9 +578,7 @@ class DraftWorker:
     def _verify_cost(self) -> StepCost:
         """The line of the target's step this step verifies on: every core's in the
         lent_sd regime, its own cores' otherwise."""
-        if self._lent_sd:
-            return self.lent_sd_cost if self.lent_sd_cost.known else self.lent_cost
-        return self.target_cost
+        return self._lent_sd_lines()[0] if self._lent_sd else self.target_cost
 
     def _plan(self, cands: list[Candidate]):
         """The controller's plan; until the target's step time is known (the first rounds)
@@ -706,18 +710,16 @@ class DraftWorker:
         return expected if seen is None else min(expected, seen)
 
     def _lent_sd_rate(self, batch: int, now: float) -> float | None:
-        """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with the
-        lent cores' step line and the draft's step, on the borrowed cores once measured
-        there, the best K up to the cap), or what it gave if lower. None where it is no option (no lent cores, regime ssd) or not
-        known yet (the lent cores or the draft's step not measured)."""
+        """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with its
+        lines, _lent_sd_lines, and the round's overhead, the best K up to the cap), or
+        what it gave if lower. None where it is no option (no lent cores, regime ssd) or
+        not known yet (the lent cores or the draft's step not measured)."""
         if (self.lent_cost is None or self.cfg.controller.regime == "ssd"
                 or not self.lent_cost.known or not self.draft_cost.known):
             return None
-        d = (self.borrowed_draft_cost if self.team.borrows and self.borrowed_draft_cost.known
-             else self.draft_cost).predict
-        verify = self.lent_sd_cost if self.lent_sd_cost.known else self.lent_cost
-        a, t, over = self.acceptance.rate, verify.predict, self.lent_sd_overhead or 0.0
-        expected = max((sd_rate(a, k, batch, t, d, overhead_s=over)
+        verify, draft = self._lent_sd_lines()
+        a, over = self.acceptance.rate, self.lent_sd_overhead or 0.0
+        expected = max((sd_rate(a, k, batch, verify.predict, draft.predict, overhead_s=over)
                         for k in range(1, self._cap + 1)), default=0.0)
         seen = self.lent_sd_realized.rate(batch, now)
         return expected if seen is None else min(expected, seen)
