@@ -18,7 +18,8 @@ import json
 import os
 import statistics
 import time
-from pathlib import Path
+
+from benchmarks import write_json_out
 
 FIELDS = ("prespec_runs", "glue_s", "catch_up_idles", "lent_probes", "prefill_s_per_token")
 
@@ -63,9 +64,7 @@ def main(argv=None) -> dict:
               "mean_tok_s": round(statistics.mean(rates), 1),
               **{k: draft_stats.get(k) for k in FIELDS}}
     print(json.dumps(result))
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json_out(args.json_out, result)
     return result
 
 

@@ -15,12 +15,12 @@ pre-speculation, then an outcome nobody cached (a miss), so the fallback drafts.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import time
-from pathlib import Path
+
+from benchmarks import write_json_out
 
 
 def measure(draft: str, weights: str, batch: int, budget: int, k: int, context: int,
@@ -88,9 +88,7 @@ def main() -> None:
                 print(f"| {weights} ({r['quantization']}) | {batch} | {budget} | {r['fanout']} "
                       f"| {r['prespec_ms']} | {r['glue_ms']} | {r['tree_ms']} "
                       f"| {r['fallback_ms']} |", flush=True)
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(rows, indent=2) + "\n")
+    write_json_out(args.json_out, rows)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,10 @@ round trip and the unpack.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
+
+from benchmarks import write_json_out
 
 VOCAB, HEAD, K = 49152, 16384, 3
 
@@ -121,9 +121,7 @@ def main() -> None:
             print(f"| {fmt} | {rows} | {r['kb']} | {r['round_trip_ms']} | {r['unpack_ms']} |",
                   flush=True)
     ray.shutdown()
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(results, indent=2) + "\n")
+    write_json_out(args.json_out, results)
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ spread, ms.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
+
+from benchmarks import write_json_out
 
 
 def _config(draft: str, core: int) -> dict:
@@ -75,9 +75,7 @@ def main(argv=None) -> dict:
         p, r = result["process"][label], result["ray"][label]
         print(f"| {label} | {p['median_ms']} ({p['p10_ms']}-{p['p90_ms']}) | {r['median_ms']} "
               f"({r['p10_ms']}-{r['p90_ms']}) | {r['median_ms'] / p['median_ms']:.1f} |")
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(result, indent=2) + "\n")
+    write_json_out(args.json_out, result)
     return result
 
 
