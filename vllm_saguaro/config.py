@@ -79,13 +79,13 @@ class ControllerConfig(BaseModel):
         True, description="CPU: while the draft idles, the target's threads run on the "
         "draft's cores too (vllm_glue/lending.py), so plain decoding has every core")
     regime: Literal["ssd", "auto", "lent_sd"] = Field(
-        "ssd", description="CPU with lend_cores: how a round speculates. ssd: the draft "
+        "auto", description="CPU with lend_cores: how a round speculates. ssd: the draft "
         "pre-speculates on its own cores while the target verifies on its own; lent_sd: "
         "synchronous SD, the draft drafts while the target waits (on the target's cores "
         "too) and the target verifies on every core (no pre-speculation); auto: whichever "
         "is expected faster at the batch size running (plain decoding on every core when "
-        "neither beats it). Not the default yet: auto measured 1.14-1.15x plain vLLM at "
-        "batch 1 on MT-Bench but 0.89-0.90x at batch 4 (README, issue 19's tenth round)")
+        "neither beats it; SD on the lent cores taken up only 5% ahead, "
+        "core/controller.py lent_sd_worth). README, issue 19's tenth and eleventh rounds")
     force_lengths: list[int] | None = Field(
         None, description="testing switch: row i of round r sends force_lengths[(i + r) % n] "
         "tokens (capped by what it has); the losslessness tests use it for mixed lengths")

@@ -188,6 +188,44 @@ def test_realized_rate_is_known_after_enough_rounds_and_forgotten_after_ttl():
     assert r.rate(4, 22.0) == pytest.approx(2.0)
 
 
+def test_the_realized_rate_bound_widens_with_noise_and_narrows_with_rounds():
+    """RealizedRate.upper: rate + REALIZED_Z standard errors of the ratio estimator; as
+    tight as the rate for rounds that all gave the same, and a dip that noise explains
+    (rounds of 1 or 2 tokens at ~0.04 s, SD on the lent cores at batch 1) does not put
+    the bound below what the model expects there."""
+    from vllm_saguaro.core.controller import REALIZED_Z
+
+    steady = RealizedRate(min_rounds=4, alpha=0.05)
+    for i in range(50):
+        steady.observe(1, tokens=2, seconds=0.05, now=0.0)
+    assert steady.upper(1, 0.0) == pytest.approx(steady.rate(1, 0.0)) == pytest.approx(40.0)
+    noisy, few = RealizedRate(min_rounds=4, alpha=0.05), RealizedRate(min_rounds=4, alpha=0.05)
+    pattern = [1, 1, 2, 1, 1, 2, 1, 2]  # 11 tokens in 8 rounds: a dip to 34 tok/s
+    for i in range(48):
+        noisy.observe(1, tokens=pattern[i % 8], seconds=0.04, now=0.0)
+    for t in pattern:
+        few.observe(1, tokens=t, seconds=0.04, now=0.0)
+    rate = noisy.rate(1, 0.0)
+    assert rate == pytest.approx(few.rate(1, 0.0), rel=0.05)
+    assert rate < 36.0 < noisy.upper(1, 0.0)  # the model's 36: not ruled out
+    assert few.upper(1, 0.0) - rate > noisy.upper(1, 0.0) - rate > 0  # more rounds, tighter
+    # a loss beyond the noise is: 1 token a round where the model expects 1.5
+    losing = RealizedRate(min_rounds=4, alpha=0.05)
+    for i in range(48):
+        losing.observe(1, tokens=1 + (i % 10 == 0), seconds=0.04, now=0.0)
+    assert losing.upper(1, 0.0) < 36.0
+    assert noisy.upper(1, 0.0, z=0.0) == pytest.approx(rate) and REALIZED_Z > 0
+    assert noisy.upper(2, 0.0) is None  # not measured: as rate
+
+
+def test_sd_on_the_lent_cores_is_discounted_only_when_taken_up():
+    from vllm_saguaro.core.controller import LENT_SD_ENTRY_MARGIN, lent_sd_worth
+
+    assert lent_sd_worth(30.0, continuing=True) == 30.0
+    assert lent_sd_worth(30.0, continuing=False) == pytest.approx(30.0 / (1 + LENT_SD_ENTRY_MARGIN))
+    assert lent_sd_worth(None, continuing=False) is None and LENT_SD_ENTRY_MARGIN > 0
+
+
 def test_a_catch_up_pays_only_if_the_gain_repays_it_within_the_horizon():
     from vllm_saguaro.core.controller import CATCH_UP_HORIZON_S, catch_up_pays
 

@@ -491,7 +491,8 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     now = time.perf_counter()
     w._last_call, w._limit = (now - 0.5, 2, False), None
     w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
-    assert w.realized._seen[2][:3] == (3, pytest.approx(0.5), 1)  # 3 tokens in 0.5 s
+    means, rounds, _ = w.realized._seen[2]
+    assert means[:2] == (3, pytest.approx(0.5)) and rounds == 1  # 3 tokens in 0.5 s
     idle = IdleAdvice(0, probe=False)
     for last, limit, updates in [((now - 0.5, 2, False), idle, [("a", [1], None, None)] * 2),
                                  ((now - 0.5, 3, False), None, [("a", [1], None, None)] * 2),
@@ -505,11 +506,22 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     w._last_call, w._limit = (now - 1.0, 2, True), None
     w._lent_sd_steps, w._last_draft_s = 1, 0.2
     w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now, target_s=0.5)
-    assert w.lent_sd_realized._seen[2][:3] == (3, pytest.approx(1.0), 1)
+    means, rounds, _ = w.lent_sd_realized._seen[2]
+    assert means[:2] == (3, pytest.approx(1.0)) and rounds == 1
     assert w.realized.rounds(2) == 1 and w.lent_sd_overhead is None
     w._lent_sd_steps = 2
     w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now, target_s=0.5)
     assert w.lent_sd_overhead == pytest.approx(0.3)  # 1 s - 0.5 target - 0.2 drafting
+    # paid: once what it gave over min_rounds beats plain decoding on the lent cores there
+    w.lent_cost, w.lent_widths = type(w.target_cost)(), {2}
+    for _ in range(4):
+        w.lent_cost.observe(2, 1.0)  # plain decoding: 2 tokens a second at batch 2
+        w.target_cost.observe(2, 2.0)  # (on the target's own cores: 1)
+    w.lent_sd_realized.forget(2)
+    for tokens in ([1], [1, 2]):  # 2 tokens a second (plain decoding's), then 3
+        for _ in range(w.lent_sd_realized.min_rounds):
+            w._observe_round([("a", tokens, None, None), ("b", [3], None, None)], now)
+        assert (2 in w.lent_sd_paid) == (len(tokens) == 2)
 
 
 def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
@@ -613,6 +625,70 @@ def test_sd_on_the_lent_cores_where_it_beats_ssd(tiny_target, hf, regime):
     else:
         assert lent_sd and flag is None and w.stats.lent_sd_steps == 1
         assert w.saguaro_c == 1.0 and w.stats.fallback_rounds == 1
+
+
+def test_sd_on_the_lent_cores_is_taken_up_only_with_a_margin(tiny_target):
+    """lent_sd_worth: from a step that was not SD on the lent cores, it must be expected
+    LENT_SD_ENTRY_MARGIN faster than SSD (the regime's choice) and than plain decoding
+    on the lent cores (the idle decision); once running, merely faster."""
+    from vllm_saguaro.core.controller import LENT_SD_ENTRY_MARGIN
+
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    update = [("a", [1], None, None)]
+    w._ssd_rate = lambda b, now: 30.0
+    for gain, entering, continuing in [(LENT_SD_ENTRY_MARGIN / 2, False, True),
+                                       (2 * LENT_SD_ENTRY_MARGIN, True, True)]:
+        w._lent_sd_rate = lambda b, now, measured=True: 30.0 * (1 + gain)
+        for steps, taken in [(0, entering), (3, continuing)]:
+            w._lent_sd_steps = steps
+            assert w._lent_sd_step(update) == taken
+    # against plain decoding (SSD no option here): idle unless it pays by the margin
+    w._ssd_rate = lambda b, now: 0.0
+    plain = 1 / w._plain_s()(1)
+    w._lent_sd_rate = lambda b, now, measured=True: plain * (1 + LENT_SD_ENTRY_MARGIN / 2)
+    w._lent_sd_steps = 0
+    assert w._idle_limit(1) is not None and w._idle_limit(1).limit == 0
+    w._lent_sd_steps = 1
+    assert w._idle_limit(1) is None
+
+
+def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
+    """Where SD on the lent cores' model is within CLOSE_SHARE of plain decoding and it
+    has paid before, the idle advice asks for a recheck after CLOSE_RECHECK_S; the step
+    after it tries SD on the
+    lent cores for min_rounds steps at that batch size (its old measurement forgotten)
+    even though the model is below plain decoding, then decides as before. Far below,
+    the proposer's default recheck."""
+    from vllm_saguaro.draft.worker import CLOSE_RECHECK_S, CLOSE_SHARE, IdleAdvice
+
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    plain = 1 / w._plain_s()(1)
+    w._ssd_rate = lambda b, now: 0.0
+    model = plain * (1 - CLOSE_SHARE / 2)
+    w._lent_sd_rate = lambda b, now, measured=True: model
+    assert w._idle_limit(1) == IdleAdvice(0, False, None)  # it never paid at batch 1
+    w.lent_sd_paid.add(1)
+    assert w._idle_limit(1) == IdleAdvice(0, False, CLOSE_RECHECK_S)
+    model = plain * (1 - 2 * CLOSE_SHARE)
+    assert w._idle_limit(1) == IdleAdvice(0, False, None)
+    model = plain * (1 - CLOSE_SHARE / 2)
+    w._limit = IdleAdvice(0, False, CLOSE_RECHECK_S)
+    for _ in range(w.lent_sd_realized.min_rounds):
+        w.lent_sd_realized.observe(1, 1, 1.0, time.perf_counter())  # what it gave, then
+    w._wake(1)
+    w._limit = None
+    assert w.lent_sd_realized.rounds(1) == 0 and w.stats.lent_sd_explores == 1
+    for _ in range(w.lent_sd_realized.min_rounds):  # the waking step and those after
+        assert w._idle_limit(1) is None and w._lent_sd_step([("a", [1], None, None)])
+        w._wake(1)
+    assert w._idle_limit(1) is not None  # tried: the model decides again
+    w._explore = 5
+    w._wake(2)
+    assert w._explore == 0  # another batch size: not tried there
 
 
 def test_ssd_where_the_lent_cores_verify_no_faster(tiny_target, hf):

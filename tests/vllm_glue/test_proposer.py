@@ -19,7 +19,7 @@ def idle_proposer(limit):
     p.metrics = SaguaroMetrics(0.0)
     p.target_steps, p._width, p._last_done, p._prev_ids = [], None, None, set()
     p.idle_above, p._idle_since, p._gone = limit, time.monotonic(), set()
-    p._probe_rounds = None
+    p._probe_rounds, p._recheck_s = None, mod.IDLE_RECHECK_S
     p.lending = None
     p.lent_sd = False
     return p
@@ -212,6 +212,13 @@ def test_idle_ends_when_the_batch_shrinks_or_after_a_while(monkeypatch):
     assert not p._idle(2, 2, set()) and p.idle_above is None  # small enough: ask the draft
     p = idle_proposer(2)
     p._idle_since -= mod.IDLE_RECHECK_S + 1
+    assert not p._idle(8, 8, set())
+    # a close idle (IdleAdvice.recheck_s): asked again sooner
+    p = idle_proposer(2)
+    p._recheck_s = 5.0
+    p._idle_since -= 4.0
+    assert p._idle(8, 8, set())
+    p._idle_since -= 1.5
     assert not p._idle(8, 8, set())
 
 

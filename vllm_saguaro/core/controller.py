@@ -25,6 +25,7 @@ is sent, so greedy sequences use each drawn token's own confidence.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -153,6 +154,27 @@ def lent_sd_pays(ssd_rate: float, lent_sd_rate: float | None) -> bool:
     return lent_sd_rate is not None and lent_sd_rate > ssd_rate
 
 
+# What SD on the lent cores must be expected to gain, as a share, to be taken up from a
+# round that was not one (lent_sd_worth).
+LENT_SD_ENTRY_MARGIN = 0.05
+
+
+def lent_sd_worth(lent_sd_rate: float | None, continuing: bool) -> float | None:
+    """SD on the lent cores' expected rate as the choice weighs it (against SSD and plain
+    decoding): discounted by LENT_SD_ENTRY_MARGIN unless the last round was one already.
+    Why: a switch costs what no round's model holds, and the model runs a few % high
+    where the choice is close. Measured at batch 4 (MT-Bench, T = 0, the reference pair):
+    the first such round after SSD's waited 36-82 ms more on the draft (its glue pass of
+    the batch's prompts) and its verification took 66-75 ms against 48 after; held there
+    for whole batches it gave 0.94-0.96x plain decoding where the model expected 0.98x,
+    and when noise lifted the model above plain decoding it was taken (19-71% of the
+    rounds in two grids, 0.89-0.90x plain vLLM). At batch 1 it is expected 1.10-1.19x
+    plain decoding, and gave 1.15x."""
+    if lent_sd_rate is None or continuing:
+        return lent_sd_rate
+    return lent_sd_rate / (1.0 + LENT_SD_ENTRY_MARGIN)
+
+
 # How soon speculation at a batch size must pay back the draft's catch-up (catch_up_pays).
 CATCH_UP_HORIZON_S = 5.0
 
@@ -183,6 +205,11 @@ def speculation_pays(cands: list[Candidate], target_s: Callable[[int], float],
     return sum(plan.lengths) > 0 and beats_plain(plan, len(cands), plain_s)
 
 
+# How many standard errors below the model a realized rate must fall to overrule it
+# (RealizedRate.upper): a round gives 1, 2 or 3 tokens, so a short average swings.
+REALIZED_Z = 2.0
+
+
 class RealizedRate:
     """The tokens per second speculation actually gave at each batch size, measured round
     to round (the whole round: the target's step, the wait for the draft, transport, and
@@ -192,42 +219,69 @@ class RealizedRate:
     sees only what its model holds. Measured before: at batch 1 it said 1.74x of the
     target on one core while speculation gave 1.22x, below plain decoding on the lent
     cores (1.40x), so the draft kept speculating at 0.87x of plain vLLM on two cores. The
-    decision takes the lower of the two where this one is known: after `min_rounds`
-    rounds at that batch size, and for `ttl_s` after the last (then speculation is tried
-    again, since acceptance moves with the text).
+    decision takes the lower of the model and this rate's upper bound (upper: REALIZED_Z
+    standard errors above it), where this one is known: after `min_rounds` rounds at
+    that batch size, and for `ttl_s` after the last (then speculation is tried again,
+    since acceptance moves with the text).
 
-    The rate is the average tokens over the average seconds, each a plain mean over the
-    first 1/alpha rounds and an exponential average after. Measured before: at batch 1 a
-    round gives 1, 2 or 3 tokens, so an average of per-round rates over 8 rounds swung by
-    a third and once put SD on the lent cores below plain decoding for two minutes.
+    The rate is the average tokens over the average seconds (a ratio estimator), each a
+    plain mean over the first 1/alpha rounds and an exponential average after. Measured
+    before: at batch 1 a round gives 1, 2 or 3 tokens, so an average of per-round rates
+    over 8 rounds swung by a third and once put SD on the lent cores below plain decoding
+    for two minutes; and the point estimate over ~20 rounds (alpha 0.05) still dipped
+    below plain decoding (25.1 against 25.3 tok/s) where SD on the lent cores gave 1.15x
+    it over the run, idling the draft for the next 30 s: hence the upper bound.
     """
 
     def __init__(self, min_rounds: int = 8, ttl_s: float = 120.0, alpha: float = 0.2):
         self.min_rounds, self.ttl_s, self.alpha = min_rounds, ttl_s, alpha
-        # batch -> (tokens, seconds: their averages, rounds, when last)
-        self._seen: dict[int, tuple[float, float, int, float]] = {}
+        # batch -> (averages of tokens, seconds, tokens^2, seconds^2, tokens*seconds;
+        # rounds, when last)
+        self._seen: dict[int, tuple[tuple[float, ...], int, float]] = {}
 
     def observe(self, batch: int, tokens: int, seconds: float, now: float) -> None:
         """A round at this batch size gave `tokens` in `seconds` (start to start)."""
         if seconds <= 0:
             return
-        tok, sec, rounds, at = self._seen.get(batch, (0.0, 0.0, 0, now))
+        means, rounds, at = self._seen.get(batch, ((0.0,) * 5, 0, now))
         if rounds and now - at > self.ttl_s:
-            rounds = 0
+            means, rounds = (0.0,) * 5, 0
         w = max(self.alpha, 1.0 / (rounds + 1))
-        self._seen[batch] = ((1 - w) * tok + w * tokens, (1 - w) * sec + w * seconds,
-                             rounds + 1, now)
+        x = (tokens, seconds, tokens * tokens, seconds * seconds, tokens * seconds)
+        self._seen[batch] = (tuple((1 - w) * m + w * v for m, v in zip(means, x)), rounds + 1, now)
 
     def rounds(self, batch: int) -> int:
-        return self._seen.get(batch, (0.0, 0.0, 0, 0.0))[2]
+        return self._seen.get(batch, ((), 0, 0.0))[1]
+
+    def forget(self, batch: int) -> None:
+        """Drop what this batch size gave (it is to be measured anew)."""
+        self._seen.pop(batch, None)
+
+    def _known(self, batch: int, now: float):
+        means, rounds, at = self._seen.get(batch, ((), 0, now))
+        if rounds < self.min_rounds or now - at > self.ttl_s:
+            return None
+        return means, rounds
 
     def rate(self, batch: int, now: float) -> float | None:
         """The measured rate at this batch size, or None while not known (too few rounds,
         or none for ttl_s)."""
-        tok, sec, rounds, at = self._seen.get(batch, (0.0, 0.0, 0, now))
-        if rounds < self.min_rounds or now - at > self.ttl_s:
+        known = self._known(batch, now)
+        return None if known is None else known[0][0] / known[0][1]
+
+    def upper(self, batch: int, now: float, z: float = REALIZED_Z) -> float | None:
+        """rate + z standard errors (None where rate is): what the measurement cannot
+        rule out. The ratio estimator's variance, var(t - R s) / (n mean(s)^2), over the
+        rounds the average holds (n: at most (2 - alpha) / alpha, an exponential
+        average's effective count)."""
+        known = self._known(batch, now)
+        if known is None:
             return None
-        return tok / sec
+        (t, s, tt, ss, ts), rounds = known
+        r = t / s
+        var = max(0.0, (tt - t * t) - 2 * r * (ts - t * s) + r * r * (ss - s * s))
+        n = min(rounds, (2 - self.alpha) / self.alpha)
+        return r + z * math.sqrt(var / max(n - 1, 1.0)) / s
 
 
 class StepCost:

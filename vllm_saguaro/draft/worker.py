@@ -24,7 +24,7 @@ from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
                                           beats_plain, catch_up_pays, choose_lengths,
-                                          lent_sd_pays, speculation_pays)
+                                          lent_sd_pays, lent_sd_worth, speculation_pays)
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
@@ -101,12 +101,21 @@ PREFILL_S_PER_TOKEN = 5e-4
 PREFILL_MEASURE_TOKENS = 64
 
 
+# An idle decision against SD on the lent cores that its model puts within this share of
+# plain decoding is a close one: the proposer asks again after CLOSE_RECHECK_S rather
+# than its default 30 s, and the draft then tries it for a few rounds (_explore).
+CLOSE_SHARE = 0.1
+CLOSE_RECHECK_S = 10.0
+
+
 class IdleAdvice(NamedTuple):
     """The draft may idle while the batch is larger than `limit`; `probe`: only to
-    measure plain decoding on the lent cores at this batch size, so ask again soon."""
+    measure plain decoding on the lent cores at this batch size, so ask again soon;
+    `recheck_s`: ask again after this long (None: the proposer's default)."""
 
     limit: int
     probe: bool
+    recheck_s: float | None = None
 
 
 @dataclass
@@ -212,7 +221,7 @@ class DraftWorker:
         # SD on the lent cores ran 0.89x plain decoding while expected faster)
         self.lent_sd_cost = StepCost() if self.lent_cost is not None else None
         self._probed: set[int] = set()  # batch sizes idled once to measure the lent cores
-        self.realized = RealizedRate()  # what speculation gave, round to round
+        self.realized = RealizedRate(alpha=0.05)  # what speculation gave, round to round
         # and SD on the lent cores, over more rounds: it is weighed against plain decoding
         # on the same cores, 0-25% apart at batch 1, and its first rounds on an engine ran
         # ~25% slower than later ones (measured: 25.7 tok/s over the first 24 rounds, 32
@@ -224,6 +233,11 @@ class DraftWorker:
         self._last_call: tuple[float, int, bool] | None = None
         self._last_draft_s = 0.0  # the last step's neural drafting (the fallback's steps)
         self._lent_sd_steps = 0  # lent_sd steps in a row, up to the last one
+        # batch sizes where SD on the lent cores gave more than plain decoding (over
+        # min_rounds rounds), so that a close idle there is tried again (_close_recheck)
+        self.lent_sd_paid: set[int] = set()
+        # steps left that try SD on the lent cores after a close idle, at this batch size
+        self._explore, self._explore_batch = 0, 0
         # what a round of SD on the lent cores costs beyond the target's step and the
         # draft's forwards (this worker's own work around them, the round trip, the
         # proposer), an average
@@ -378,6 +392,7 @@ class DraftWorker:
                     self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._observe_round(updates, t0, target_steps[-1][1] if target_steps else None)
+            self._wake(len(updates))
             self._limit = self._idle_limit(len(updates), self._catch_up_tokens(updates))
             self._lent_sd = self._limit is None and self._lent_sd_step(updates)
             self.stats.lent_sd_steps += self._lent_sd
@@ -640,6 +655,10 @@ class DraftWorker:
             return
         realized = self.lent_sd_realized if last[2] else self.realized
         realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates), now - last[0], now)
+        plain_s = self._plain_s()
+        if last[2] and plain_s is not None and (
+                (self.lent_sd_realized.rate(last[1], now) or 0.0) > last[1] / plain_s(last[1])):
+            self.lent_sd_paid.add(last[1])
         if last[2] and self._lent_sd_steps >= 2 and target_s is not None:
             # not the first round after SSD's: measured, 40 ms more than the next ones
             # (the team's first turn on the borrowed cores, the verification's first
@@ -678,12 +697,14 @@ class DraftWorker:
         now = time.perf_counter()
 
         def rate(b: int) -> float:  # the better way to speculate at b
-            lent_sd = self._lent_sd_rate(b, now)
+            lent_sd = self._lent_sd_worth(b, now)
             return max(self._ssd_rate(b, now), 0.0 if lent_sd is None else lent_sd)
 
+        if self._explore > 0:
+            return None
         limit = batch_limit(rate, plain, max_batch=batch)
         if limit < batch:
-            return IdleAdvice(limit, probe=False)
+            return IdleAdvice(limit, probe=False, recheck_s=self._close_recheck(batch, plain))
         if self.lent_cost is not None and batch not in self.lent_widths | self._probed:
             self._probed.add(batch)
             self.stats.lent_probes += 1
@@ -700,20 +721,50 @@ class DraftWorker:
                 return IdleAdvice(batch - 1, probe=False)
         return None
 
+    def _close_recheck(self, batch: int, plain_s) -> float | None:
+        """CLOSE_RECHECK_S where the draft idles although SD on the lent cores' model puts
+        it within CLOSE_SHARE of plain decoding (what it gave, or the entry margin, held
+        it off) at a batch size where it has paid before (lent_sd_paid): text moves on,
+        and while idle nothing measures it. Measured at batch 1 (HumanEval after
+        MT-Bench on one engine): a prompt whose drafts were rejected for a few dozen
+        rounds put what it gave 9% below plain decoding, and the draft idled for the
+        next 30 s, the rest of the set, where it had run 1.15x on MT-Bench. Not where it
+        never paid: at batch 4 the model puts it at 0.98x plain decoding, and each try
+        would first prefill 10 s of the batch's tokens on the draft's core."""
+        if batch not in self.lent_sd_paid:
+            return None
+        expected = self._lent_sd_rate(batch, time.perf_counter(), measured=False)
+        if expected is None or expected < (1.0 - CLOSE_SHARE) * batch / max(plain_s(batch), 1e-9):
+            return None
+        return CLOSE_RECHECK_S
+
+    def _wake(self, batch: int) -> None:
+        """The first step after a close idle (IdleAdvice.recheck_s): try SD on the lent
+        cores for as many steps as its measurement needs (min_rounds), by the model
+        alone (its stale measurement forgotten, no entry margin), so that the next
+        decision sees the text running now."""
+        if self._limit is not None and self._limit.recheck_s is not None:
+            self.lent_sd_realized.forget(batch)
+            self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
+            self.stats.lent_sd_explores += 1
+        elif self._explore > 0:  # another batch size: its own decision
+            self._explore = self._explore - 1 if batch == self._explore_batch else 0
+
     def _ssd_rate(self, batch: int, now: float) -> float:
-        """SSD's rate at this batch size: the model's, or what it gave if lower (0 when
-        the regime is pinned to lent_sd)."""
+        """SSD's rate at this batch size: the model's, or the most it may have given
+        (RealizedRate.upper) if lower (0 when the regime is pinned to lent_sd)."""
         if self.cfg.controller.regime == "lent_sd" and self.lent_cost is not None:
             return 0.0
-        seen = self.realized.rate(batch, now)
+        seen = self.realized.upper(batch, now)
         expected = self._expected_rate(batch)
         return expected if seen is None else min(expected, seen)
 
-    def _lent_sd_rate(self, batch: int, now: float) -> float | None:
+    def _lent_sd_rate(self, batch: int, now: float, measured: bool = True) -> float | None:
         """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with its
         lines, _lent_sd_lines, and the round's overhead, the best K up to the cap), or
-        what it gave if lower. None where it is no option (no lent cores, regime ssd) or
-        not known yet (the lent cores or the draft's step not measured)."""
+        the most it may have given (RealizedRate.upper) if lower (`measured`; else the
+        model's alone). None where it is no option (no lent cores, regime ssd) or not
+        known yet (the lent cores or the draft's step not measured)."""
         if (self.lent_cost is None or self.cfg.controller.regime == "ssd"
                 or not self.lent_cost.known or not self.draft_cost.known):
             return None
@@ -721,8 +772,14 @@ class DraftWorker:
         a, over = self.acceptance.rate, self.lent_sd_overhead or 0.0
         expected = max((sd_rate(a, k, batch, verify.predict, draft.predict, overhead_s=over)
                         for k in range(1, self._cap + 1)), default=0.0)
-        seen = self.lent_sd_realized.rate(batch, now)
+        seen = self.lent_sd_realized.upper(batch, now) if measured else None
         return expected if seen is None else min(expected, seen)
+
+    def _lent_sd_worth(self, batch: int, now: float) -> float | None:
+        """_lent_sd_rate as the choice weighs it: discounted unless the last step was SD
+        on the lent cores already (core/controller.py lent_sd_worth)."""
+        return lent_sd_worth(self._lent_sd_rate(batch, now),
+                             continuing=self._lent_sd_steps > 0 or self._explore > 0)
 
     def _lent_sd_step(self, updates: list[Update]) -> bool:
         """Whether this step is SD on the lent cores (controller.regime; auto: where it is
@@ -737,7 +794,7 @@ class DraftWorker:
         if regime == "lent_sd":
             return True
         now = time.perf_counter()
-        lent_sd = self._lent_sd_rate(len(updates), now)
+        lent_sd = self._lent_sd_worth(len(updates), now)
         if lent_sd is None or not self.target_cost.known:  # SSD's rounds measure it first
             return False
         return lent_sd_pays(self._ssd_rate(len(updates), now), lent_sd)

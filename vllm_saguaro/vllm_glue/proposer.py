@@ -41,7 +41,8 @@ class _Mirror:
 _cores_before_binding: set[int] | None = None
 
 # While idle, ask the draft again after this long (its acceptance, the target's costs may
-# have moved), or as soon as the batch shrinks to where speculation could pay.
+# have moved; sooner where its IdleAdvice says so), or as soon as the batch shrinks to
+# where speculation could pay.
 IDLE_RECHECK_S = 30.0
 # A probe of plain decoding on the lent cores (the draft worker's IdleAdvice): this many
 # idle rounds, enough clean steps for the controller's measurement of them.
@@ -145,6 +146,7 @@ class SaguaroProposer:
         self._prev_ids: set[str] = set()  # the batch's requests at the last call
         self.idle_above: int | None = None  # the draft idles while the batch is larger
         self._idle_since = 0.0
+        self._recheck_s = IDLE_RECHECK_S  # this idle's (IdleAdvice.recheck_s)
         self._probe_rounds: int | None = None  # idle rounds left in a probe (None: no probe)
         # requests finished or preempted that the draft worker has not been told of yet
         self._gone: set[str] = set()
@@ -305,6 +307,7 @@ class SaguaroProposer:
         self.lent_sd = lent_sd and self.lending is not None
         if limit is not None:
             self.idle_above, self._idle_since = limit.limit, time.monotonic()
+            self._recheck_s = limit.recheck_s or IDLE_RECHECK_S
             self._probe_rounds = PROBE_ROUNDS if limit.probe else None
             if self.lending is not None:
                 self.lending.lend()
@@ -406,7 +409,7 @@ class SaguaroProposer:
             self._probe_rounds -= 1
             recheck = self._probe_rounds < 0
         else:
-            recheck = time.monotonic() - self._idle_since >= IDLE_RECHECK_S
+            recheck = time.monotonic() - self._idle_since >= self._recheck_s
         if batch > self.idle_above and not recheck:
             self._gone |= finished
             return True
