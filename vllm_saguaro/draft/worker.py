@@ -226,8 +226,12 @@ class DraftWorker:
         # on the same cores, 0-25% apart at batch 1, and its first rounds on an engine ran
         # ~25% slower than later ones (measured: 25.7 tok/s over the first 24 rounds, 32
         # over the first 48, plain decoding 25); kept for 30 s only (the idle recheck), so
-        # that a low first measurement does not idle it for the default two minutes
-        self.lent_sd_realized = RealizedRate(min_rounds=48, ttl_s=30.0, alpha=0.05)
+        # that a low first measurement does not idle it for the default two minutes. Over
+        # ~100 rounds (alpha 0.02): over ~40 (0.05), one HumanEval prompt whose drafts
+        # were rejected for a few dozen rounds idled it where it gave 1.10x plain
+        # decoding over the set (measured at batch 1: 26.3 tok/s against 26.2, then
+        # 28.9 against 26.3 with 0.02)
+        self.lent_sd_realized = RealizedRate(min_rounds=48, ttl_s=30.0, alpha=0.02)
         self._lent_sd = False  # this step is SD on the lent cores (controller.regime)
         # (when, batch, lent_sd) of the last step
         self._last_call: tuple[float, int, bool] | None = None
