@@ -228,10 +228,11 @@ class RealizedRate:
     plain mean over the first 1/alpha rounds and an exponential average after. Measured
     before: at batch 1 a round gives 1, 2 or 3 tokens, so an average of per-round rates
     over 8 rounds swung by a third and once put SD on the lent cores below plain decoding
-    for two minutes; and the point estimate over ~20 rounds (alpha 0.05) still dipped
-    below plain decoding (25.1 against 25.3 tok/s) where SD on the lent cores gave 1.15x
-    it over the run, idling the draft for the next 30 s: hence the upper bound.
-    """
+    for two minutes; and the point estimate with alpha 0.05 (~40 rounds) still dipped
+    below plain decoding (25.1 against 25.3 tok/s) on one HumanEval prompt at batch 1,
+    idling the draft for the next 30 s, where SD on the lent cores, kept, gave 1.10x
+    plain vLLM over the set: hence the upper bound (and, for SD on the lent cores, an
+    average over ~100 rounds; DraftWorker.lent_sd_realized)."""
 
     def __init__(self, min_rounds: int = 8, ttl_s: float = 120.0, alpha: float = 0.2):
         self.min_rounds, self.ttl_s, self.alpha = min_rounds, ttl_s, alpha
