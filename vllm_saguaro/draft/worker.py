@@ -33,7 +33,7 @@ from vllm_saguaro.core.sampling import (SamplingSpec, counts_int16, draft_distri
                                         quantize_distribution, wire_counts)
 from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
                                          select_outcomes)
-from vllm_saguaro.core.theory import sd_rate, ssd_rate
+from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
 from vllm_saguaro.draft.fork import fanout_roots, outcome_estimates
 from vllm_saguaro.draft.kv import PagedKVCache
 from vllm_saguaro.draft.linear import fp16_supported
@@ -659,11 +659,13 @@ class DraftWorker:
             return
         realized = self.lent_sd_realized if last[2] else self.realized
         realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates), now - last[0], now)
+        if not last[2]:
+            return
         plain_s = self._plain_s()
-        if last[2] and plain_s is not None and (
-                (self.lent_sd_realized.rate(last[1], now) or 0.0) > last[1] / plain_s(last[1])):
+        if plain_s is not None and (self.lent_sd_realized.rate(last[1], now) or 0.0
+                                    ) > target_alone_rate(last[1], plain_s):
             self.lent_sd_paid.add(last[1])
-        if last[2] and self._lent_sd_steps >= 2 and target_s is not None:
+        if self._lent_sd_steps >= 2 and target_s is not None:
             # not the first round after SSD's: measured, 40 ms more than the next ones
             # (the team's first turn on the borrowed cores, the verification's first
             # widths on the lent ones), which alone held SD on the lent cores off
@@ -695,8 +697,8 @@ class DraftWorker:
         lent cores, speculation's expected gain must pay that back (catch_up_pays)."""
         ctl = self.cfg.controller
         if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
-                or not self.target_cost.known or not batch):
-            return None
+                or not self.target_cost.known or not batch or self._explore > 0):
+            return None  # (_explore: trying SD on the lent cores after a close idle)
         plain = self._plain_s() or self.target_cost.predict
         now = time.perf_counter()
 
@@ -704,8 +706,6 @@ class DraftWorker:
             lent_sd = self._lent_sd_worth(b, now)
             return max(self._ssd_rate(b, now), 0.0 if lent_sd is None else lent_sd)
 
-        if self._explore > 0:
-            return None
         limit = batch_limit(rate, plain, max_batch=batch)
         if limit < batch:
             return IdleAdvice(limit, probe=False, recheck_s=self._close_recheck(batch, plain))
