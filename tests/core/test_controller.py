@@ -226,6 +226,20 @@ def test_sd_on_the_lent_cores_is_discounted_only_when_taken_up():
     assert lent_sd_worth(None, continuing=False) is None and LENT_SD_ENTRY_MARGIN > 0
 
 
+def test_auto_regime_settles_as_the_workers_rules_do():
+    from vllm_saguaro.core.controller import LENT_SD_ENTRY_MARGIN, auto_regime
+
+    m = 1 + LENT_SD_ENTRY_MARGIN
+    assert auto_regime(20.0, None, 25.0) == ("plain", 25.0)        # nothing beats plain
+    assert auto_regime(26.0, None, 25.0) == ("ssd", 26.0)          # no lent cores: SSD
+    assert auto_regime(20.0, 30.0, 25.0) == ("lent_sd", 30.0)      # runs at its own rate
+    # ahead of plain decoding, but not by the entry margin: never taken up
+    assert auto_regime(20.0, 25.0 * m * 0.99, 25.0) == ("plain", 25.0)
+    assert auto_regime(20.0, 25.0 * m * 1.01, 25.0)[0] == "lent_sd"
+    # ahead of SSD, not by the margin: SSD
+    assert auto_regime(27.0, 27.0 * m * 0.99, 25.0) == ("ssd", 27.0)
+
+
 def test_a_catch_up_pays_only_if_the_gain_repays_it_within_the_horizon():
     from vllm_saguaro.core.controller import CATCH_UP_HORIZON_S, catch_up_pays
 

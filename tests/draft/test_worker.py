@@ -512,16 +512,24 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     w._lent_sd_steps = 2
     w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now, target_s=0.5)
     assert w.lent_sd_overhead == pytest.approx(0.3)  # 1 s - 0.5 target - 0.2 drafting
-    # paid: once what it gave over min_rounds beats plain decoding on the lent cores there
+    # paid: once what it gave over min_rounds beats plain decoding on the lent cores
+    # there by the entry margin; no longer once it gives less than plain decoding
     w.lent_cost, w.lent_widths = type(w.target_cost)(), {2}
     for _ in range(4):
         w.lent_cost.observe(2, 1.0)  # plain decoding: 2 tokens a second at batch 2
         w.target_cost.observe(2, 2.0)  # (on the target's own cores: 1)
     w.lent_sd_realized.forget(2)
-    for tokens in ([1], [1, 2]):  # 2 tokens a second (plain decoding's), then 3
+    # 2 tokens a second (plain decoding's), 2.06 (ahead, short of the margin), 3 (paid)
+    for seconds, tokens in ((1.0, [1]), (0.97, [1]), (1.0, [1, 2])):
+        w.lent_sd_realized.forget(2)
+        w._last_call = (now - seconds, 2, True)
         for _ in range(w.lent_sd_realized.min_rounds):
             w._observe_round([("a", tokens, None, None), ("b", [3], None, None)], now)
         assert (2 in w.lent_sd_paid) == (len(tokens) == 2)
+    w._last_call = (now - 1.05, 2, True)  # then 2 tokens in 1.05 s: below plain decoding
+    for _ in range(4 * w.lent_sd_realized.min_rounds):  # (the average forgets slowly)
+        w._observe_round([("a", [1], None, None), ("b", [3], None, None)], now)
+    assert 2 not in w.lent_sd_paid
 
 
 def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):

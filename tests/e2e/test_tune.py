@@ -31,7 +31,12 @@ def test_tune_writes_a_valid_recommended_config(tmp_path, tiny_target, tiny_draf
     costs = result["costs"]
     assert costs["target_fixed_s"] > 0 and costs["target_per_token_s"] >= 0
     assert costs["draft_fixed_s"] is not None and 0 < costs["acceptance_rate"] < 1
-    assert len(result["predictions"]) == 2 * 2 * 2  # batches x K x (SD, SSD)
+    # batches x K x (SD, SSD, and SD on the lent cores where they could be lent)
+    lent = result["lent"]
+    assert len(result["predictions"]) == 2 * 2 * (2 + (lent is not None))
+    if lent is not None:
+        assert lent["lent_sd_fixed_s"] > 0 and lent["borrowed_draft_fixed_s"] > 0
+    assert set(result["regimes"].values()) <= {"plain", "ssd", "lent_sd"}
     assert all(r["speedup"] > 0 for r in result["predictions"])
     # --check: the config and the target alone twice each (step 0 the alone's first)
     assert "2 engine starts each, pooled" in proc.stdout

@@ -236,6 +236,20 @@ def test_a_probe_of_the_lent_cores_lasts_a_few_rounds():
     assert not p._idle(4, 4, set()) and p.idle_above is None and p._probe_rounds is None
 
 
+def test_a_probe_sends_only_its_later_steps():
+    """The first steps on the grown team run slower: of a probe's rounds, the controller
+    gets the last STEPS_SENT, the first half left out."""
+    p = idle_proposer(3)
+    p._probe_rounds = mod.PROBE_ROUNDS
+    rows, sampled = ["a", "b", "c", "d"], [[5], [6], [7], [8]]
+    p._prev_ids = set(rows)
+    for _ in range(mod.PROBE_ROUNDS):
+        p.propose_round(rows, [4] * 4, None, sampled, set(), None)
+    assert mod.PROBE_ROUNDS >= 2 * mod.STEPS_SENT
+    assert len(p.target_steps) == mod.STEPS_SENT  # of PROBE_ROUNDS - 1 measured steps
+    assert all(width == 4 for width, *_ in p.target_steps)
+
+
 LENDING_SCRIPT = """
 import json, os, torch
 from vllm_saguaro.core.placement import process_threads

@@ -28,6 +28,32 @@ def test_predictions_favour_ssd_at_batch_1_and_nothing_at_large_batch():
     assert k in (1, 2, 3) and expected[1] > 1.0 and expected[16] == 1.0  # plain decoding there
 
 
+LENT = {"lent_sd_fixed_s": 0.036, "lent_sd_per_token_s": 0.0035,
+        "borrowed_draft_fixed_s": 0.006, "borrowed_draft_per_row_s": 0.0015,
+        "lent_sd_overhead_s": 0.002}
+
+
+def test_sd_on_the_lent_cores_is_predicted_and_chosen_where_it_leads():
+    hits = {1: {"hit_rate": 0.5}, 16: {"hit_rate": 0.3}}
+    # the target alone on every core: the lent line's step, as plain vLLM on both cores
+    alone = {b: b / (0.036 + 0.0035 * b) for b in (1, 16)}
+    rows = tune.predict(COSTS, hits, [1, 2, 3], alone, LENT)
+    at = {(r["batch"], r["system"], r["k"]): r["speedup"] for r in rows}
+    assert len(rows) == 2 * 3 * 3
+    assert at[(1, "lent SD", 1)] > 1.05 * max(1.0, at[(1, "SSD", 3)])
+    regime, speedup = tune.with_controller(rows, 1, 3)
+    assert regime == "lent_sd" and speedup == max(at[(1, "lent SD", k)] for k in (1, 2, 3))
+    assert tune.with_controller(rows, 16, 3) == ("plain", 1.0)
+    k, expected = tune.recommend(rows, [1, 2, 3])
+    assert expected[1] == max(at[(1, "lent SD", x)] for x in range(1, k + 1))
+    # a slower verification on every core: SD on the lent cores no longer leads
+    slow = {**LENT, "lent_sd_fixed_s": 0.09}
+    rows = tune.predict(COSTS, hits, [1, 2, 3], alone, slow)
+    assert tune.with_controller(rows, 1, 3)[0] != "lent_sd"
+    # without the lent step (a GPU target): no such rows, the old choice
+    assert all(r["system"] != "lent SD" for r in tune.predict(COSTS, hits, [3], alone))
+
+
 def test_recommend_prefers_the_smaller_k_on_ties():
     rows = [{"batch": 1, "k": k, "system": "SSD", "speedup": 0.5} for k in (1, 2, 3)]
     assert tune.recommend(rows, [1, 2, 3]) == (1, {1: 1.0})

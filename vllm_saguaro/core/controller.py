@@ -175,6 +175,23 @@ def lent_sd_worth(lent_sd_rate: float | None, continuing: bool) -> float | None:
     return lent_sd_rate / (1.0 + LENT_SD_ENTRY_MARGIN)
 
 
+def auto_regime(ssd_rate: float, lent_sd_rate: float | None, plain_rate: float
+                ) -> tuple[str, float]:
+    """What controller.regime 'auto' settles on at one batch size, and the rate it then
+    runs at: 'plain' (the draft idles, its cores lent), 'lent_sd' or 'ssd'. The worker's
+    rules composed for one batch size held steady: speculate where the better of SSD and
+    SD on the lent cores as weighed on entry (lent_sd_worth) beats plain decoding
+    (batch_limit), and then as SD on the lent cores where that beats SSD (lent_sd_pays);
+    once taken it runs at its own rate. For predictions (`vllm-saguaro tune`): the
+    worker decides step by step with these same functions."""
+    worth = lent_sd_worth(lent_sd_rate, continuing=False)
+    if max(ssd_rate, worth or 0.0) <= plain_rate:
+        return "plain", plain_rate
+    if lent_sd_pays(ssd_rate, worth):
+        return "lent_sd", lent_sd_rate
+    return "ssd", ssd_rate
+
+
 # How soon speculation at a batch size must pay back the draft's catch-up (catch_up_pays).
 CATCH_UP_HORIZON_S = 5.0
 

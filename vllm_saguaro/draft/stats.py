@@ -62,6 +62,13 @@ class DraftStats:
     draft_per_row_s: float | None = None
     lent_fixed_s: float | None = None      # the target's step on the lent cores (every core)
     lent_per_token_s: float | None = None
+    # SD on the lent cores: its verification on every core, the draft's step with the
+    # target's cores borrowed, and what its round costs beyond the two (an average)
+    lent_sd_fixed_s: float | None = None
+    lent_sd_per_token_s: float | None = None
+    borrowed_draft_fixed_s: float | None = None
+    borrowed_draft_per_row_s: float | None = None
+    lent_sd_overhead_s: float | None = None
     fast_acceptance_rate: float = 0.0
     # The round's profile: why lookups missed, where the draft's time went.
     miss_k: int = 0

@@ -1,13 +1,16 @@
 """``vllm-saguaro tune``: measure a target and a draft, predict each configuration's speedup,
 write the recommended ``saguaro.yaml``.
 
-Four measured steps, each one engine started as a user starts it (multiprocess):
+Five measured steps, each one engine started as a user starts it (multiprocess):
   0. alone    the target alone, as the user would run it instead (no speculative config;
               on CPU its threads on every core, alone_binding): decode tok/s per batch
               size, the baseline every speedup is over.
   1. costs    synchronous SD with the controller forced to send 0..K tokens in turn, at
               every batch size asked for: the target's step time over many widths (the
               line t(w) the controller uses), a neural draft step by rows, a_p.
+  1b. lent    (CPU) the same as SD on the lent cores (controller.regime lent_sd): the
+              target's verification on every core, the draft's step on the target's
+              cores borrowed, what such a round costs beyond the two.
   2. hits     SSD with K pinned at every batch size: the cache hit rate per batch size,
               and what a speculating round costs beyond the target's step and the
               fallback (the draft's reply crossing, a pre-speculation that overran, the
@@ -18,8 +21,10 @@ Four measured steps, each one engine started as a user starts it (multiprocess):
 Predictions come from core/theory.py with these measurements (i.i.d. acceptance a_p, the
 hit rate and the round's overhead measured at the configured K and budget held for the
 other K). Plain decoding under the plugin counts as the target alone (on CPU the draft's
-cores are lent to it). Budget and C are measured as configured, not searched (each needs
-its own run; benchmarks/c_sweep.py sweeps C).
+cores are lent to it). "With the controller" is what controller.regime auto settles on
+at each batch size (core/controller.py auto_regime): plain decoding, SSD, or SD on the
+lent cores, with the best length up to K. Budget and C are measured as configured, not
+searched (each needs its own run; benchmarks/c_sweep.py sweeps C).
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from vllm_saguaro.core.controller import StepCost
+from vllm_saguaro.core.controller import StepCost, auto_regime
 from vllm_saguaro.core.placement import BIND_ENV, swap_environ
 from vllm_saguaro.core.theory import sd_rate, ssd_rate
 from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
@@ -138,6 +143,38 @@ def measure_costs(args, prompts) -> dict:
     return out
 
 
+LENT_KEYS = ("lent_sd_fixed_s", "lent_sd_per_token_s", "borrowed_draft_fixed_s",
+             "borrowed_draft_per_row_s", "lent_sd_overhead_s")
+
+
+def measure_lent_costs(args, prompts) -> dict | None:
+    """Step 1b (CPU): SD on the lent cores (regime lent_sd) with lengths 0..K in turn: the
+    target's verification on every core, the draft's step with the target's cores
+    borrowed, the round's overhead beyond both (DraftWorker.lent_sd_overhead). None
+    where the draft's cores cannot be lent (a GPU target; an OpenMP without affinity
+    lists, patches.patch_omp_binding): auto then chooses between SSD and plain only."""
+    from vllm.platforms import current_platform
+
+    from vllm_saguaro.vllm_glue.offline import engine_report, shutdown
+
+    if not current_platform.is_cpu():
+        return None
+    spec = base_spec(args, **{"async": False, "fallback": "neural",
+                              "controller": {"regime": "lent_sd",
+                                             "force_lengths": list(range(args.k + 1))}})
+    llm = engine(args.target, spec, args)
+    for b in args.batches:
+        log(f"lent: batch {b}")
+        decode(llm, prompts, b, args.max_tokens, args.num_prompts)
+    d = engine_report(llm)["draft"]
+    shutdown(llm)
+    if any(d.get(key) is None for key in LENT_KEYS[:4]):
+        log("lent: the draft's cores could not be lent to the target here; no predictions "
+            "for SD on the lent cores")
+        return None
+    return {key: d.get(key) for key in LENT_KEYS}
+
+
 def alone_binding() -> dict[str, str]:
     """The target alone's thread binding on CPU: every core this process may use, unless
     the user set VLLM_CPU_OMP_THREADS_BIND. vLLM's default (auto) keeps one core for its
@@ -209,11 +246,18 @@ def measure_hits(args, prompts, costs: dict) -> dict[int, dict]:
 
 
 def predict(costs: dict, hits: dict[int, dict], ks: list[int],
-            alone: dict[int, float]) -> list[dict]:
-    """Every (batch, K, fallback) with its predicted speedup over the target alone."""
+            alone: dict[int, float], lent: dict | None = None) -> list[dict]:
+    """Every (batch, K, system) with its predicted speedup over the target alone: SD and
+    SSD on the target's and the draft's own cores, and with `lent` (step 1b) SD on the
+    lent cores ("lent SD")."""
     target = StepCost(costs["target_fixed_s"], costs["target_per_token_s"]).predict
     draft = StepCost(costs["draft_fixed_s"], costs["draft_per_row_s"]).predict
     a = costs["acceptance_rate"]
+    if lent is not None:
+        verify = StepCost(lent["lent_sd_fixed_s"], lent["lent_sd_per_token_s"]).predict
+        borrowed = StepCost(lent["borrowed_draft_fixed_s"],
+                            lent["borrowed_draft_per_row_s"]).predict
+        lent_over = lent.get("lent_sd_overhead_s") or 0.0
     rows = []
     for b, h in hits.items():
         base, o = alone[b], h.get("overhead_s", 0.0)
@@ -223,21 +267,34 @@ def predict(costs: dict, hits: dict[int, dict], ks: list[int],
             rows.append({"batch": b, "k": k, "system": "SSD", "fallback": "neural",
                          "speedup": ssd_rate(a, k, h["hit_rate"], b, target, draft,
                                              overhead_s=o) / base})
+            if lent is not None:
+                rows.append({"batch": b, "k": k, "system": "lent SD", "fallback": "neural",
+                             "speedup": sd_rate(a, k, b, verify, borrowed,
+                                                overhead_s=lent_over) / base})
     return rows
+
+
+def with_controller(rows: list[dict], batch: int, k: int, plain: float = 1.0
+                    ) -> tuple[str, float]:
+    """What controller.regime auto settles on at this batch size with K = k (the best
+    length up to k of SSD and of SD on the lent cores, or plain decoding at speedup
+    `plain`), and its predicted speedup (core/controller.py auto_regime)."""
+    def best(system: str) -> float | None:
+        return max((r["speedup"] for r in rows if r["batch"] == batch
+                    and r["system"] == system and r["k"] <= k), default=None)
+
+    return auto_regime(best("SSD") or 0.0, best("lent SD"), plain)
 
 
 def recommend(rows: list[dict], ks: list[int], plain: float = 1.0) -> tuple[int, dict[int, float]]:
     """K for the yaml: the controller may send fewer at any batch size (0 = plain
-    decoding, at speedup `plain`), so K scores the mean over batch sizes of the best SSD
-    speedup at any length up to K; ties go to the smaller K."""
-    def at(b: int, k: int) -> float:
-        got = [r["speedup"] for r in rows if r["batch"] == b and r["system"] == "SSD" and r["k"] <= k]
-        return max([plain] + got)
-
+    decoding, at speedup `plain`), so K scores the mean over batch sizes of what the
+    controller settles on with it (with_controller); ties go to the smaller K."""
     batches = sorted({r["batch"] for r in rows})
-    score = {k: statistics.mean(at(b, k) for b in batches) for k in ks}
+    score = {k: statistics.mean(with_controller(rows, b, k, plain)[1] for b in batches)
+             for k in ks}
     best = min(ks, key=lambda k: (-round(score[k], 3), k))
-    return best, {b: at(b, best) for b in batches}
+    return best, {b: with_controller(rows, b, best, plain)[1] for b in batches}
 
 
 def write_yaml(path: str, args, k: int, costs: dict) -> dict:
@@ -331,26 +388,37 @@ def main(argv=None) -> dict:
         f"{1000 * costs['target_per_token_s']:.2f} ms/token; draft step "
         f"{1000 * costs['draft_fixed_s']:.1f} ms + {1000 * costs['draft_per_row_s']:.2f} ms/row; "
         f"a_p {costs['acceptance_rate']:.2f}")
+    lent = measure_lent_costs(args, prompts)
+    if lent is not None:
+        log(f"lent: verification {1000 * lent['lent_sd_fixed_s']:.1f} ms + "
+            f"{1000 * lent['lent_sd_per_token_s']:.2f} ms/token on every core; draft step "
+            f"{1000 * lent['borrowed_draft_fixed_s']:.1f} ms + "
+            f"{1000 * lent['borrowed_draft_per_row_s']:.2f} ms/row on the borrowed cores; "
+            f"round overhead {1000 * (lent['lent_sd_overhead_s'] or 0.0):.1f} ms")
     hits = measure_hits(args, prompts, costs)
-    rows = predict(costs, hits, args.ks, alone)
+    rows = predict(costs, hits, args.ks, alone, lent)
     k, expected = recommend(rows, args.ks)
     print("\npredicted speedup over the target alone as measured in step 0 (budget "
           f"{args.budget}, C {args.saguaro_c}; hit rates and round overhead measured at "
-          f"K={args.k}):")
-    print("batch | " + " | ".join(f"SD K{x}" for x in args.ks) + " | "
-          + " | ".join(f"SSD K{x}" for x in args.ks) + " | with the controller")
+          f"K={args.k}; lent SD: SD on the lent cores):")
+    systems = ["SD", "SSD"] + (["lent SD"] if lent is not None else [])
+    print("batch | " + " | ".join(f"{name} K{x}" for name in systems for x in args.ks)
+          + f" | with the controller at K={k}")
     for b in args.batches:
-        sd = [r["speedup"] for r in rows if r["batch"] == b and r["system"] == "SD"]
-        ssd = [r["speedup"] for r in rows if r["batch"] == b and r["system"] == "SSD"]
-        print(f"{b:5d} | " + " | ".join(f"{x:.2f}" for x in sd) + " | "
-              + " | ".join(f"{x:.2f}" for x in ssd) + f" | {expected[b]:.2f}")
+        cells = [r["speedup"] for name in systems for r in rows
+                 if r["batch"] == b and r["system"] == name]
+        regime, speedup = with_controller(rows, b, k)
+        print(f"{b:5d} | " + " | ".join(f"{x:.2f}" for x in cells)
+              + f" | {speedup:.2f} ({regime})")
     cfg = write_yaml(args.out, args, k, costs)
     log(f"recommended K={k} (the controller picks 0..K per sequence and step): {args.out}")
-    result = {"alone_tok_s": alone, "costs": costs, "hits": hits, "predictions": rows,
-              "recommended_k": k, "expected": expected, "config": cfg}
+    result = {"alone_tok_s": alone, "costs": costs, "lent": lent, "hits": hits,
+              "predictions": rows, "recommended_k": k, "expected": expected,
+              "regimes": {b: with_controller(rows, b, k)[0] for b in args.batches},
+              "config": cfg}
     if args.check:
         ssd, alone = check(args, cfg, prompts, alone_starts)
-        _, expected = recommend(predict(costs, hits, [k], alone), [k])  # over the pooled
+        _, expected = recommend(predict(costs, hits, [k], alone, lent), [k])  # over the pooled
         measured = {b: ssd[b] / alone[b] for b in args.batches}
         result.update(measured=measured, expected_pooled=expected, alone_pooled_tok_s=alone,
                       check_tok_s=ssd)
