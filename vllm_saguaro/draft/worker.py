@@ -22,10 +22,9 @@ import torch
 
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
-from vllm_saguaro.core.controller import (LENT_SD_ENTRY_MARGIN, Candidate, RealizedRate,
-                                          StepCost, batch_limit, beats_plain, catch_up_pays,
-                                          choose_lengths, lent_sd_pays, lent_sd_worth,
-                                          speculation_pays)
+from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
+                                          beats_plain, catch_up_pays, choose_lengths,
+                                          lent_sd_pays, lent_sd_worth, speculation_pays)
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
@@ -669,12 +668,12 @@ class DraftWorker:
             return
         plain_s, gave = self._plain_s(), self.lent_sd_realized.rate(last[1], now)
         if plain_s is not None and gave is not None:
-            # paid: by the margin it is taken up with (measured on a 2-core Xeon, where
-            # it gave plain decoding's rate at batch 4 give or take noise, a mere lead
-            # there made the close recheck try it again and again: 0.89-0.93x plain
+            # paid: by the margin it is taken up with (lent_sd_worth; on a 2-core Xeon,
+            # where it gave plain decoding's rate at batch 4 give or take noise, a mere
+            # lead there made the close recheck try it again and again: 0.89-0.93x plain
             # vLLM); no longer, once it gave less than plain decoding
             plain = target_alone_rate(last[1], plain_s)
-            if gave > (1.0 + LENT_SD_ENTRY_MARGIN) * plain:
+            if lent_sd_worth(gave, continuing=False) > plain:
                 self.lent_sd_paid.add(last[1])
             elif gave < plain:
                 self.lent_sd_paid.discard(last[1])

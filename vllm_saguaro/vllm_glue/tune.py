@@ -122,19 +122,27 @@ def base_spec(args, **over) -> dict:
     return spec
 
 
-def measure_costs(args, prompts) -> dict:
-    """Step 1: sync SD with lengths 0..K in turn per row and round (widths spread)."""
+def forced_sd_stats(args, prompts, step: str, **controller) -> dict:
+    """Sync SD with lengths 0..K in turn per row and round (widths spread) at every batch
+    size asked for, one engine: the draft worker's stats after it (its fitted lines)."""
     from vllm_saguaro.vllm_glue.offline import engine_report, shutdown
 
     spec = base_spec(args, **{"async": False, "fallback": "neural",
-                              "controller": {"force_lengths": list(range(args.k + 1))}})
+                              "controller": {**controller,
+                                             "force_lengths": list(range(args.k + 1))}})
     llm = engine(args.target, spec, args)
-    out = {}
     for b in args.batches:
-        log(f"costs: batch {b}")
+        log(f"{step}: batch {b}")
         decode(llm, prompts, b, args.max_tokens, args.num_prompts)
     d = engine_report(llm)["draft"]
     shutdown(llm)
+    return d
+
+
+def measure_costs(args, prompts) -> dict:
+    """Step 1: sync SD with lengths 0..K in turn (forced_sd_stats)."""
+    d = forced_sd_stats(args, prompts, "costs")
+    out = {}
     for key in ("target_fixed_s", "target_per_token_s", "draft_fixed_s", "draft_per_row_s",
                 "acceptance_rate"):
         out[key] = d[key]
@@ -155,19 +163,9 @@ def measure_lent_costs(args, prompts) -> dict | None:
     lists, patches.patch_omp_binding): auto then chooses between SSD and plain only."""
     from vllm.platforms import current_platform
 
-    from vllm_saguaro.vllm_glue.offline import engine_report, shutdown
-
     if not current_platform.is_cpu():
         return None
-    spec = base_spec(args, **{"async": False, "fallback": "neural",
-                              "controller": {"regime": "lent_sd",
-                                             "force_lengths": list(range(args.k + 1))}})
-    llm = engine(args.target, spec, args)
-    for b in args.batches:
-        log(f"lent: batch {b}")
-        decode(llm, prompts, b, args.max_tokens, args.num_prompts)
-    d = engine_report(llm)["draft"]
-    shutdown(llm)
+    d = forced_sd_stats(args, prompts, "lent", regime="lent_sd")
     if any(d.get(key) is None for key in LENT_KEYS[:4]):
         log("lent: the draft's cores could not be lent to the target here; no predictions "
             "for SD on the lent cores")
@@ -404,17 +402,18 @@ def main(argv=None) -> dict:
     systems = ["SD", "SSD"] + (["lent SD"] if lent is not None else [])
     print("batch | " + " | ".join(f"{name} K{x}" for name in systems for x in args.ks)
           + f" | with the controller at K={k}")
+    settled = {b: with_controller(rows, b, k) for b in args.batches}
     for b in args.batches:
         cells = [r["speedup"] for name in systems for r in rows
                  if r["batch"] == b and r["system"] == name]
-        regime, speedup = with_controller(rows, b, k)
+        regime, speedup = settled[b]
         print(f"{b:5d} | " + " | ".join(f"{x:.2f}" for x in cells)
               + f" | {speedup:.2f} ({regime})")
     cfg = write_yaml(args.out, args, k, costs)
     log(f"recommended K={k} (the controller picks 0..K per sequence and step): {args.out}")
     result = {"alone_tok_s": alone, "costs": costs, "lent": lent, "hits": hits,
               "predictions": rows, "recommended_k": k, "expected": expected,
-              "regimes": {b: with_controller(rows, b, k)[0] for b in args.batches},
+              "regimes": {b: regime for b, (regime, _) in settled.items()},
               "config": cfg}
     if args.check:
         ssd, alone = check(args, cfg, prompts, alone_starts)
