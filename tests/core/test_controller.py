@@ -218,6 +218,23 @@ def test_the_realized_rate_bound_widens_with_noise_and_narrows_with_rounds():
     assert noisy.upper(2, 0.0) is None  # not measured: as rate
 
 
+def test_the_measured_rate_clamps_the_model_both_ways():
+    """RealizedRate.clamp: the model's rate where nothing is measured, and within the
+    measurement's bounds; moved to the nearer bound where the measurement rules it out,
+    up as well as down (SSD on code at batch 1 gave 1.4x what its model said)."""
+    r = RealizedRate(min_rounds=4, alpha=0.05)
+    assert r.clamp(30.0, 1, 0.0) == 30.0 and r.bounds(1, 0.0) is None
+    pattern = [1, 1, 2, 1, 1, 2, 1, 2]  # 11 tokens in 8 rounds of 0.04 s: 34.4 tok/s
+    for i in range(48):
+        r.observe(1, tokens=pattern[i % 8], seconds=0.04, now=0.0)
+    lower, upper = r.bounds(1, 0.0)
+    assert lower < r.rate(1, 0.0) < upper and upper == pytest.approx(r.upper(1, 0.0))
+    assert r.clamp(r.rate(1, 0.0), 1, 0.0) == pytest.approx(r.rate(1, 0.0))  # not ruled out
+    assert r.clamp(20.0, 1, 0.0) == pytest.approx(lower) and lower > 20.0  # measured above
+    assert r.clamp(50.0, 1, 0.0) == pytest.approx(upper) and upper < 50.0  # measured below
+    assert r.clamp(20.0, 2, 0.0) == 20.0  # another batch size: the model's
+
+
 def test_sd_on_the_lent_cores_is_discounted_only_when_taken_up():
     from vllm_saguaro.core.controller import LENT_SD_ENTRY_MARGIN, lent_sd_worth
 

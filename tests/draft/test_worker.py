@@ -484,12 +484,17 @@ def test_what_speculation_gave_overrules_the_model_when_lower(tiny_target, hf):
 def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     """_observe_round: a continuing round after a speculating call at the same batch size
     is measured; after an idle advice, a change of batch, or with a (re)synced sequence
-    it is not."""
+    it is not; nor SSD's first round after a switch or a new request (_ssd_steps)."""
     from vllm_saguaro.draft.worker import IdleAdvice
 
     w = worker(tiny_target, controller={"policy": "auto"})
     now = time.perf_counter()
     w._last_call, w._limit = (now - 0.5, 2, False), None
+    for steps in (0, 1):  # the last call was no SSD step on continuing sequences, or the first
+        w._ssd_steps = steps
+        w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
+        assert w.realized.rounds(2) == 0
+    w._ssd_steps = 2
     w._observe_round([("a", [1, 2], None, None), ("b", [3], None, None)], now)
     means, rounds, _ = w.realized._seen[2]
     assert means[:2] == (3, pytest.approx(0.5)) and rounds == 1  # 3 tokens in 0.5 s
@@ -529,7 +534,7 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     w._last_call = (now - 1.05, 2, True)  # then 2 tokens in 1.05 s: below plain decoding
     for _ in range(4 * w.lent_sd_realized.min_rounds):  # (the average forgets slowly)
         w._observe_round([("a", [1], None, None), ("b", [3], None, None)], now)
-    assert 2 not in w.lent_sd_paid
+    assert 2 not in w.lent_sd_paid and 2 in w.lent_sd_ever_paid  # (ever: IdleAdvice.new_text)
 
 
 def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
@@ -646,6 +651,7 @@ def test_sd_on_the_lent_cores_is_taken_up_only_with_a_margin(tiny_target):
     w.prespeculate()
     update = [("a", [1], None, None)]
     w._ssd_rate = lambda b, now: 30.0
+    w._ssd_tried[1] = time.perf_counter()  # (tried just now: _try_ssd waits its ttl)
     for gain, entering, continuing in [(LENT_SD_ENTRY_MARGIN / 2, False, True),
                                        (2 * LENT_SD_ENTRY_MARGIN, True, True)]:
         w._lent_sd_rate = lambda b, now, measured=True: 30.0 * (1 + gain)
@@ -664,11 +670,11 @@ def test_sd_on_the_lent_cores_is_taken_up_only_with_a_margin(tiny_target):
 
 def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     """Where SD on the lent cores' model is within CLOSE_SHARE of plain decoding and it
-    has paid before, the idle advice asks for a recheck after CLOSE_RECHECK_S; the step
-    after it tries SD on the
-    lent cores for min_rounds steps at that batch size (its old measurement forgotten)
-    even though the model is below plain decoding, then decides as before. Far below,
-    the proposer's default recheck."""
+    has paid before, the idle advice asks for a recheck after CLOSE_RECHECK_S, and where
+    it ever paid, also on new text; the step after it tries SD on the lent cores for
+    min_rounds steps at that batch size (its old measurement forgotten) even though the
+    model is below plain decoding, then decides as before. Far below, the proposer's
+    default recheck."""
     from vllm_saguaro.draft.worker import CLOSE_RECHECK_S, CLOSE_SHARE, IdleAdvice
 
     w = lent_worker(tiny_target, regime="auto")
@@ -678,25 +684,65 @@ def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     w._ssd_rate = lambda b, now: 0.0
     model = plain * (1 - CLOSE_SHARE / 2)
     w._lent_sd_rate = lambda b, now, measured=True: model
-    assert w._idle_limit(1) == IdleAdvice(0, False, None)  # it never paid at batch 1
+    assert w._idle_limit(1) == IdleAdvice(0, False, None, False)  # it never paid at batch 1
+    w.lent_sd_ever_paid.add(1)  # paid once, no longer
+    assert w._idle_limit(1) == IdleAdvice(0, False, None, True)
     w.lent_sd_paid.add(1)
-    assert w._idle_limit(1) == IdleAdvice(0, False, CLOSE_RECHECK_S)
+    assert w._idle_limit(1) == IdleAdvice(0, False, CLOSE_RECHECK_S, True)
     model = plain * (1 - 2 * CLOSE_SHARE)
-    assert w._idle_limit(1) == IdleAdvice(0, False, None)
+    assert w._idle_limit(1) == IdleAdvice(0, False, None, False)
     model = plain * (1 - CLOSE_SHARE / 2)
-    w._limit = IdleAdvice(0, False, CLOSE_RECHECK_S)
-    for _ in range(w.lent_sd_realized.min_rounds):
-        w.lent_sd_realized.observe(1, 1, 1.0, time.perf_counter())  # what it gave, then
-    w._wake(1)
-    w._limit = None
-    assert w.lent_sd_realized.rounds(1) == 0 and w.stats.lent_sd_explores == 1
-    for _ in range(w.lent_sd_realized.min_rounds):  # the waking step and those after
-        assert w._idle_limit(1) is None and w._lent_sd_step([("a", [1], None, None)])
-        w._wake(1)
-    assert w._idle_limit(1) is not None  # tried: the model decides again
+    one, two = [("a", [1], None, None)], [("a", [1], None, None), ("b", [1], None, None)]
+    for explores, advice in [(1, IdleAdvice(0, False, CLOSE_RECHECK_S)),
+                             (2, IdleAdvice(0, False, None, True))]:
+        w._limit = advice
+        for _ in range(w.lent_sd_realized.min_rounds):
+            w.lent_sd_realized.observe(1, 1, 1.0, time.perf_counter())  # what it gave, then
+        w._wake(one)
+        w._limit = None
+        assert w.lent_sd_realized.rounds(1) == 0 and w.stats.lent_sd_explores == explores
+        for _ in range(w.lent_sd_realized.min_rounds):  # the waking step and those after
+            assert w._idle_limit(1) is None and w._lent_sd_step(one)
+            w._wake(one)
+        assert w._idle_limit(1) is not None  # tried: the model decides again
     w._explore = 5
-    w._wake(2)
+    w._wake(two)
     assert w._explore == 0  # another batch size: not tried there
+
+
+def test_ssd_passed_over_close_to_the_chosen_rate_is_tried_once_per_ttl(tiny_target):
+    """_try_ssd: where the choice passes SSD over (for plain decoding here) while its
+    model is within SSD_EXPLORE_SHARE of the chosen rate and it is not measured there,
+    SSD runs for SSD_EXPLORE_ROUNDS steps (no idle, no SD on the lent cores, the plan
+    not cut to plain decoding by the model it would overrule); not again at that batch
+    size for the measurement's ttl; not where its model is far behind."""
+    from vllm_saguaro.draft.worker import SSD_EXPLORE_ROUNDS, SSD_EXPLORE_SHARE
+
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    plain = 1 / w._plain_s()(1)
+    w._lent_sd_rate = lambda b, now, measured=True: None
+    one = [("a", [1], None, None)]
+    for share, tried in [(1.5, False), (0.5, True)]:
+        w._ssd_rate = lambda b, now: plain * (1 - share * SSD_EXPLORE_SHARE)
+        advice = w._idle_limit(1)
+        assert (advice is None) == tried and w.stats.ssd_explores == tried
+    assert w._exploring("ssd") and w._explore == SSD_EXPLORE_ROUNDS
+    assert not w._lent_sd_step(one) and w._beats_lent_plain(type("P", (), {"lengths": [1]}), 1)
+    for _ in range(SSD_EXPLORE_ROUNDS):
+        w._wake(one)
+    assert not w._exploring("ssd") and w._idle_limit(1) is not None  # tried: not again soon
+    w._ssd_tried[1] -= w.realized.ttl_s
+    assert w._idle_limit(1) is None and w.stats.ssd_explores == 2
+    # measured: SSD's rounds then decide (clamp); surely ahead of plain decoding, the
+    # plan's model no longer cuts it to plain decoding
+    w._explore = 0
+    now = time.perf_counter()
+    for _ in range(w.realized.min_rounds):
+        w.realized.observe(1, 2, 1.0 / plain, now)  # twice plain decoding's rate
+    assert w._ssd_measured_ahead(1, w._plain_s())
+    assert not w._try_ssd(1, now, plain)  # measured: nothing to try
 
 
 def test_ssd_where_the_lent_cores_verify_no_faster(tiny_target, hf):

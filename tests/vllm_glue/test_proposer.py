@@ -19,7 +19,7 @@ def idle_proposer(limit):
     p.metrics = SaguaroMetrics(0.0)
     p.target_steps, p._width, p._last_done, p._prev_ids = [], None, None, set()
     p.idle_above, p._idle_since, p._gone = limit, time.monotonic(), set()
-    p._probe_rounds, p._recheck_s = None, mod.IDLE_RECHECK_S
+    p._probe_rounds, p._recheck_s, p._idle_ids = None, mod.IDLE_RECHECK_S, None
     p.lending = None
     p.lent_sd = False
     return p
@@ -206,34 +206,54 @@ def test_an_empty_batch_leaves_the_cores_to_a_running_prespeculation():
     assert p.lending.lent
 
 
+def ids(n: int, first: int = 0) -> list[str]:
+    return [f"r{i}" for i in range(first, first + n)]
+
+
 def test_idle_ends_when_the_batch_shrinks_or_after_a_while(monkeypatch):
     p = idle_proposer(2)
-    assert p._idle(4, 4, set()) and p.idle_above == 2
-    assert not p._idle(2, 2, set()) and p.idle_above is None  # small enough: ask the draft
+    assert p._idle(ids(4), 4, set()) and p.idle_above == 2
+    assert not p._idle(ids(2), 2, set()) and p.idle_above is None  # small enough: ask the draft
     p = idle_proposer(2)
     p._idle_since -= mod.IDLE_RECHECK_S + 1
-    assert not p._idle(8, 8, set())
+    assert not p._idle(ids(8), 8, set())
     # a close idle (IdleAdvice.recheck_s): asked again sooner
     p = idle_proposer(2)
     p._recheck_s = 5.0
     p._idle_since -= 4.0
-    assert p._idle(8, 8, set())
+    assert p._idle(ids(8), 8, set())
     p._idle_since -= 1.5
-    assert not p._idle(8, 8, set())
+    assert not p._idle(ids(8), 8, set())
+
+
+def test_an_idle_on_new_text_ends_once_its_requests_are_gone():
+    """IdleAdvice.new_text: what held speculation off measured the requests of the batch
+    then; once every request is one that joined since, the draft is asked again."""
+    p = idle_proposer(0)
+    p._idle_ids = set(ids(1))
+    assert p._idle(ids(1), 1, set())  # the same request: still idle
+    assert not p._idle(ids(1, first=1), 1, set()) and p.idle_above is None
+    assert p._idle_ids is None
+    p = idle_proposer(2)
+    p._idle_ids = set(ids(4))
+    assert p._idle(ids(4, first=3), 4, set())  # one of them still in the batch
+    assert not p._idle(ids(4, first=4), 4, set())
+    p = idle_proposer(0)  # no new_text: the request changing does not end it
+    assert p._idle(ids(1, first=1), 1, set())
 
 
 def test_idle_holds_while_a_batch_arrives():
     """Requests join a few at a time (their prefills): the batch, not the rows decoding
     so far, decides, so the cores stay lent through the arrival."""
     p = idle_proposer(2)
-    assert p._idle(8, 1, set()) and p._idle(8, 2, set()) and p.idle_above == 2
+    assert p._idle(ids(8), 1, set()) and p._idle(ids(8), 2, set()) and p.idle_above == 2
 
 
 def test_a_probe_of_the_lent_cores_lasts_a_few_rounds():
     p = idle_proposer(3)
     p._probe_rounds = mod.PROBE_ROUNDS
-    assert all(p._idle(4, 4, set()) for _ in range(mod.PROBE_ROUNDS))
-    assert not p._idle(4, 4, set()) and p.idle_above is None and p._probe_rounds is None
+    assert all(p._idle(ids(4), 4, set()) for _ in range(mod.PROBE_ROUNDS))
+    assert not p._idle(ids(4), 4, set()) and p.idle_above is None and p._probe_rounds is None
 
 
 def test_a_probe_sends_only_its_later_steps():

@@ -236,8 +236,8 @@ class RealizedRate:
     sees only what its model holds. Measured before: at batch 1 it said 1.74x of the
     target on one core while speculation gave 1.22x, below plain decoding on the lent
     cores (1.40x), so the draft kept speculating at 0.87x of plain vLLM on two cores. The
-    decision takes the lower of the model and this rate's upper bound (upper: REALIZED_Z
-    standard errors above it), where this one is known: after `min_rounds` rounds at
+    decision takes the model's rate clamped to this one's bounds (clamp: REALIZED_Z
+    standard errors either side), where this one is known: after `min_rounds` rounds at
     that batch size, and for `ttl_s` after the last (then speculation is tried again,
     since acceptance moves with the text).
 
@@ -287,8 +287,9 @@ class RealizedRate:
         known = self._known(batch, now)
         return None if known is None else known[0][0] / known[0][1]
 
-    def upper(self, batch: int, now: float, z: float = REALIZED_Z) -> float | None:
-        """rate + z standard errors (None where rate is): what the measurement cannot
+    def bounds(self, batch: int, now: float, z: float = REALIZED_Z
+               ) -> tuple[float, float] | None:
+        """rate -/+ z standard errors (None where rate is): what the measurement cannot
         rule out. The ratio estimator's variance, var(t - R s) / (n mean(s)^2), over the
         rounds the average holds (n: at most (2 - alpha) / alpha, an exponential
         average's effective count)."""
@@ -299,7 +300,23 @@ class RealizedRate:
         r = t / s
         var = max(0.0, (tt - t * t) - 2 * r * (ts - t * s) + r * r * (ss - s * s))
         n = min(rounds, (2 - self.alpha) / self.alpha)
-        return r + z * math.sqrt(var / max(n - 1, 1.0)) / s
+        half = z * math.sqrt(var / max(n - 1, 1.0)) / s
+        return r - half, r + half
+
+    def upper(self, batch: int, now: float, z: float = REALIZED_Z) -> float | None:
+        """The most the measurement cannot rule out (bounds)."""
+        b = self.bounds(batch, now, z)
+        return None if b is None else b[1]
+
+    def clamp(self, expected: float, batch: int, now: float) -> float:
+        """The model's rate moved into what the measurement cannot rule out (bounds), or
+        the model's alone where nothing is measured. Both ways: the model holds one a_p
+        for every position of a speculation, while on code the draft's tokens come in
+        runs (measured at batch 1, HumanEval, T = 0: SD on the lent cores at K = 1 put a_p
+        at 0.41-0.46, where SSD at K = 3 accepted 2.1 tokens a round and ran 1.22x plain
+        decoding, above what the model gave it); and down, as before."""
+        b = self.bounds(batch, now)
+        return expected if b is None else min(max(expected, b[0]), b[1])
 
 
 class StepCost:

@@ -107,15 +107,28 @@ PREFILL_MEASURE_TOKENS = 64
 CLOSE_SHARE = 0.1
 CLOSE_RECHECK_S = 10.0
 
+# SSD passed over (for plain decoding or SD on the lent cores) although its model puts it
+# within this share of the chosen rate, and not measured at this batch size for its
+# RealizedRate's ttl_s, is tried for SSD_EXPLORE_ROUNDS steps (_try_ssd), so that its
+# measured rate (RealizedRate.clamp) can overrule the model. Measured at batch 1
+# (HumanEval, T = 0): the model put SSD at 18-20 tok/s against 24-26 for SD on the lent
+# cores (a_p 0.41-0.55 from SD's one-token rounds, the hit rate at its 0.5 prior), where
+# SSD at K = 3 ran 1.22x plain decoding and 1.11x vLLM's SD.
+SSD_EXPLORE_SHARE = 0.3
+SSD_EXPLORE_ROUNDS = 24
+
 
 class IdleAdvice(NamedTuple):
     """The draft may idle while the batch is larger than `limit`; `probe`: only to
     measure plain decoding on the lent cores at this batch size, so ask again soon;
-    `recheck_s`: ask again after this long (None: the proposer's default)."""
+    `recheck_s`: ask again after this long (None: the proposer's default); `new_text`:
+    ask again as soon as every request of the batch is one that joined since (what was
+    measured is of text that is gone)."""
 
     limit: int
     probe: bool
     recheck_s: float | None = None
+    new_text: bool = False
 
 
 @dataclass
@@ -238,10 +251,19 @@ class DraftWorker:
         self._last_draft_s = 0.0  # the last step's neural drafting (the fallback's steps)
         self._lent_sd_steps = 0  # lent_sd steps in a row, up to the last one
         # batch sizes where SD on the lent cores gave more than plain decoding (over
-        # min_rounds rounds), so that a close idle there is tried again (_close_recheck)
+        # min_rounds rounds), so that a close idle there is tried again (_close_recheck);
+        # and where it ever did (a close idle there ends on new text)
         self.lent_sd_paid: set[int] = set()
-        # steps left that try SD on the lent cores after a close idle, at this batch size
-        self._explore, self._explore_batch = 0, 0
+        self.lent_sd_ever_paid: set[int] = set()
+        # steps left that try a regime ('lent_sd' after a close idle, 'ssd': _try_ssd)
+        # at this batch size
+        self._explore, self._explore_batch, self._explore_regime = 0, 0, "lent_sd"
+        self._ssd_tried: dict[int, float] = {}  # batch size -> when SSD was last tried
+        # steps in a row that were SSD's on continuing sequences (not idle, not lent_sd,
+        # none new), up to the last one: the realized rate measures SSD from the second
+        # on (the first after a switch or a new request is a cold miss: measured at
+        # batch 1, SSD's rounds after new requests put it at 13.4 tok/s, plain decoding 21)
+        self._ssd_steps = 0
         # what a round of SD on the lent cores costs beyond the target's step and the
         # draft's forwards (this worker's own work around them, the round trip, the
         # proposer), an average
@@ -396,11 +418,14 @@ class DraftWorker:
                     self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._observe_round(updates, t0, target_steps[-1][1] if target_steps else None)
-            self._wake(len(updates))
+            self._wake(updates)
             self._limit = self._idle_limit(len(updates), self._catch_up_tokens(updates))
             self._lent_sd = self._limit is None and self._lent_sd_step(updates)
             self.stats.lent_sd_steps += self._lent_sd
             self._lent_sd_steps = self._lent_sd_steps + 1 if self._lent_sd else 0
+            steady = self._limit is None and not self._lent_sd and not any(
+                full is not None or rid not in self.seqs for rid, _, full, _ in updates)
+            self._ssd_steps = self._ssd_steps + 1 if steady else 0
             self.team.use(self._lent_sd)  # lent_sd: the target waits, its cores are free
             # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q
             self.saguaro_c = self.cfg.saguaro_c if self.cfg.async_ and not self._lent_sd else 1.0
@@ -645,7 +670,10 @@ class DraftWorker:
         if (not sum(plan.lengths) or self.cfg.controller.force_lengths is not None
                 or self._lent_sd):  # lent_sd: the plan's own line is plain decoding's
             return True
-        return beats_plain(plan, batch, self._plain_s())
+        plain_s = self._plain_s()
+        if self._exploring("ssd") or (plain_s is not None and self._ssd_measured_ahead(batch, plain_s)):
+            return True  # the model put it behind; trying it, or measured ahead (_try_ssd)
+        return beats_plain(plan, batch, plain_s)
 
     def _observe_round(self, updates: list[Update], now: float,
                        target_s: float | None = None) -> None:
@@ -662,6 +690,8 @@ class DraftWorker:
         if (last is None or self._limit is not None or last[1] != len(updates)
                 or any(full is not None or not sampled for _, sampled, full, _ in updates)):
             return
+        if not last[2] and self._ssd_steps < 2:
+            return  # SSD's first round after a switch or a new request (_ssd_steps)
         realized = self.lent_sd_realized if last[2] else self.realized
         realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates), now - last[0], now)
         if not last[2]:
@@ -675,6 +705,7 @@ class DraftWorker:
             plain = target_alone_rate(last[1], plain_s)
             if lent_sd_worth(gave, continuing=False) > plain:
                 self.lent_sd_paid.add(last[1])
+                self.lent_sd_ever_paid.add(last[1])
             elif gave < plain:
                 self.lent_sd_paid.discard(last[1])
         if self._lent_sd_steps >= 2 and target_s is not None:
@@ -720,7 +751,9 @@ class DraftWorker:
 
         limit = batch_limit(rate, plain, max_batch=batch)
         if limit < batch:
-            return IdleAdvice(limit, probe=False, recheck_s=self._close_recheck(batch, plain))
+            if self._try_ssd(batch, now, batch / max(plain(batch), 1e-9)):
+                return None
+            return self._close_idle(limit, batch, plain)
         if self.lent_cost is not None and batch not in self.lent_widths | self._probed:
             self._probed.add(batch)
             self.stats.lent_probes += 1
@@ -737,49 +770,84 @@ class DraftWorker:
                 return IdleAdvice(batch - 1, probe=False)
         return None
 
-    def _close_recheck(self, batch: int, plain_s) -> float | None:
-        """CLOSE_RECHECK_S where the draft idles although SD on the lent cores' model puts
-        it within CLOSE_SHARE of plain decoding (what it gave, or the entry margin, held
-        it off) at a batch size where it has paid before (lent_sd_paid): text moves on,
-        and while idle nothing measures it. Measured at batch 1 (HumanEval after
-        MT-Bench on one engine): a prompt whose drafts were rejected for a few dozen
-        rounds put what it gave 9% below plain decoding, and the draft idled for the
-        next 30 s, the rest of the set, where it had run 1.15x on MT-Bench. Not where it
-        never paid: at batch 4 the model puts it at 0.98x plain decoding, and each try
-        would first prefill 10 s of the batch's tokens on the draft's core."""
-        if batch not in self.lent_sd_paid:
-            return None
+    def _close_idle(self, limit: int, batch: int, plain_s) -> IdleAdvice:
+        """The idle, and when to ask again where it is a close one: SD on the lent cores'
+        model puts it within CLOSE_SHARE of plain decoding (what it gave, or the entry
+        margin, held it off). Text moves on, and while idle nothing measures it.
+
+        After CLOSE_RECHECK_S where it has paid before (lent_sd_paid). Measured at batch
+        1 (HumanEval after MT-Bench on one engine): a prompt whose drafts were rejected
+        for a few dozen rounds put what it gave 9% below plain decoding, and the draft
+        idled for the next 30 s, the rest of the set, where it had run 1.15x on
+        MT-Bench. Not where it never paid: at batch 4 the model puts it at 0.98x plain
+        decoding, and each try would first prefill 10 s of the batch's tokens on the
+        draft's core.
+
+        On new text where it ever paid (lent_sd_ever_paid): what held it off measured
+        requests that are gone. Measured at batch 1: after that HumanEval prompt had
+        put it below plain decoding (no longer paid), the draft idled through the rest
+        of the set while the model still put it at 28.6 tok/s against 26.5."""
         expected = self._lent_sd_rate(batch, time.perf_counter(), measured=False)
         if expected is None or expected < (1.0 - CLOSE_SHARE) * batch / max(plain_s(batch), 1e-9):
-            return None
-        return CLOSE_RECHECK_S
+            return IdleAdvice(limit, probe=False)
+        return IdleAdvice(limit, probe=False,
+                          recheck_s=CLOSE_RECHECK_S if batch in self.lent_sd_paid else None,
+                          new_text=batch in self.lent_sd_ever_paid)
 
-    def _wake(self, batch: int) -> None:
-        """The first step after a close idle (IdleAdvice.recheck_s): try SD on the lent
-        cores for as many steps as its measurement needs (min_rounds), by the model
-        alone (its stale measurement forgotten, no entry margin), so that the next
-        decision sees the text running now."""
-        if self._limit is not None and self._limit.recheck_s is not None:
+    def _wake(self, updates: list[Update]) -> None:
+        """The first step after a close idle (IdleAdvice.recheck_s or new_text): try SD
+        on the lent cores for as many steps as its measurement needs (min_rounds), by
+        the model alone (its stale measurement forgotten, no entry margin), so that the
+        next decision sees the text running now."""
+        batch = len(updates)
+        if self._limit is not None and (self._limit.recheck_s is not None or self._limit.new_text):
             self.lent_sd_realized.forget(batch)
             self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
+            self._explore_regime = "lent_sd"
             self.stats.lent_sd_explores += 1
         elif self._explore > 0:  # another batch size: its own decision
             self._explore = self._explore - 1 if batch == self._explore_batch else 0
 
+    def _try_ssd(self, batch: int, now: float, chosen: float) -> bool:
+        """Whether to try SSD now (for SSD_EXPLORE_ROUNDS steps) where the choice passes
+        it over for a rate `chosen` its model is within SSD_EXPLORE_SHARE of, and it has
+        not been measured (or tried) at this batch size for its RealizedRate's ttl_s: the
+        measurement then overrules the model (RealizedRate.clamp). A try that loses
+        costs at most ~SSD_EXPLORE_ROUNDS rounds at that share below the chosen rate,
+        once per ttl_s (120 s)."""
+        ctl = self.cfg.controller
+        if (ctl.regime != "auto" or not self.cfg.async_ or self._explore > 0
+                or not self.draft_cost.known
+                or self.realized.rate(batch, now) is not None
+                or now - self._ssd_tried.get(batch, -self.realized.ttl_s) < self.realized.ttl_s
+                or self._ssd_rate(batch, now) < (1.0 - SSD_EXPLORE_SHARE) * chosen):
+            return False
+        self._ssd_tried[batch] = now
+        self._explore, self._explore_batch, self._explore_regime = SSD_EXPLORE_ROUNDS, batch, "ssd"
+        self.stats.ssd_explores += 1
+        return True
+
+    def _exploring(self, regime: str) -> bool:
+        return self._explore > 0 and self._explore_regime == regime
+
+    def _ssd_measured_ahead(self, batch: int, plain_s) -> bool:
+        """SSD measured (RealizedRate.bounds) surely above plain decoding at this batch
+        size: the plan's model, which held it behind, is overruled."""
+        b = self.realized.bounds(batch, time.perf_counter())
+        return b is not None and b[0] > batch / max(plain_s(batch), 1e-9)
+
     def _ssd_rate(self, batch: int, now: float) -> float:
-        """SSD's rate at this batch size: the model's, or the most it may have given
-        (RealizedRate.upper) if lower (0 when the regime is pinned to lent_sd)."""
+        """SSD's rate at this batch size: the model's, clamped to what it was measured
+        to give (RealizedRate.clamp; 0 when the regime is pinned to lent_sd)."""
         if self.cfg.controller.regime == "lent_sd" and self.lent_cost is not None:
             return 0.0
-        seen = self.realized.upper(batch, now)
-        expected = self._expected_rate(batch)
-        return expected if seen is None else min(expected, seen)
+        return self.realized.clamp(self._expected_rate(batch), batch, now)
 
     def _lent_sd_rate(self, batch: int, now: float, measured: bool = True) -> float | None:
         """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with its
-        lines, _lent_sd_lines, and the round's overhead, the best K up to the cap), or
-        the most it may have given (RealizedRate.upper) if lower (`measured`; else the
-        model's alone). None where it is no option (no lent cores, regime ssd) or not
+        lines, _lent_sd_lines, and the round's overhead, the best K up to the cap),
+        clamped to what it was measured to give (RealizedRate.clamp; `measured`, else
+        the model's alone). None where it is no option (no lent cores, regime ssd) or not
         known yet (the lent cores or the draft's step not measured)."""
         if (self.lent_cost is None or self.cfg.controller.regime == "ssd"
                 or not self.lent_cost.known or not self.draft_cost.known):
@@ -788,14 +856,13 @@ class DraftWorker:
         a, over = self.acceptance.rate, self.lent_sd_overhead or 0.0
         expected = max((sd_rate(a, k, batch, verify.predict, draft.predict, overhead_s=over)
                         for k in range(1, self._cap + 1)), default=0.0)
-        seen = self.lent_sd_realized.upper(batch, now) if measured else None
-        return expected if seen is None else min(expected, seen)
+        return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
 
     def _lent_sd_worth(self, batch: int, now: float) -> float | None:
         """_lent_sd_rate as the choice weighs it: discounted unless the last step was SD
         on the lent cores already (core/controller.py lent_sd_worth)."""
         return lent_sd_worth(self._lent_sd_rate(batch, now),
-                             continuing=self._lent_sd_steps > 0 or self._explore > 0)
+                             continuing=self._lent_sd_steps > 0 or self._exploring("lent_sd"))
 
     def _lent_sd_step(self, updates: list[Update]) -> bool:
         """Whether this step is SD on the lent cores (controller.regime; auto: where it is
@@ -809,11 +876,14 @@ class DraftWorker:
             return False
         if regime == "lent_sd":
             return True
+        if self._exploring("ssd"):
+            return False
         now = time.perf_counter()
         lent_sd = self._lent_sd_worth(len(updates), now)
         if lent_sd is None or not self.target_cost.known:  # SSD's rounds measure it first
             return False
-        return lent_sd_pays(self._ssd_rate(len(updates), now), lent_sd)
+        return (lent_sd_pays(self._ssd_rate(len(updates), now), lent_sd)
+                and not self._try_ssd(len(updates), now, lent_sd))
 
     def _expected_rate(self, batch: int) -> float:
         """Tokens per second speculation is expected to give at this batch size."""
@@ -834,8 +904,11 @@ class DraftWorker:
         ctl = self.cfg.controller
         if ctl.policy != "auto" or ctl.force_lengths is not None or not self.target_cost.known:
             return True
+        plain_s = self._plain_s()
+        if self._exploring("ssd") or (plain_s is not None and self._ssd_measured_ahead(batch, plain_s)):
+            return True  # trying SSD, or measured ahead: the model is overruled (_try_ssd)
         hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
-        return speculation_pays([hit] * batch, self.target_cost.predict, self._plain_s())
+        return speculation_pays([hit] * batch, self.target_cost.predict, plain_s)
 
     def _table_lookups(self, updates: list[Update]) -> dict[str, Speculation | None]:
         """The verified outcomes of every sequence whose branches are on the table, matched

@@ -153,6 +153,9 @@ class SaguaroProposer:
         self.idle_above: int | None = None  # the draft idles while the batch is larger
         self._idle_since = 0.0
         self._recheck_s = IDLE_RECHECK_S  # this idle's (IdleAdvice.recheck_s)
+        # IdleAdvice.new_text: the requests of the batch when this idle began (it ends
+        # once none of them is left), else None
+        self._idle_ids: set[str] | None = None
         self._probe_rounds: int | None = None  # idle rounds left in a probe (None: no probe)
         # requests finished or preempted that the draft worker has not been told of yet
         self._gone: set[str] = set()
@@ -251,7 +254,7 @@ class SaguaroProposer:
         self._width = None
         # a batch arriving: requests joined, and the draft holds none of the batch's yet
         arriving = joined and not any(rid in self.mirror for rid in req_ids)
-        if self._idle(len(req_ids), decoding, finished, arriving):
+        if self._idle(req_ids, decoding, finished, arriving):
             self._width = decoding if decoding == len(req_ids) else None
             self._drafted = False
             self.metrics.record_idle_round(decoding)
@@ -314,6 +317,7 @@ class SaguaroProposer:
         if limit is not None:
             self.idle_above, self._idle_since = limit.limit, time.monotonic()
             self._recheck_s = limit.recheck_s or IDLE_RECHECK_S
+            self._idle_ids = set(req_ids) if limit.new_text else None
             self._probe_rounds = PROBE_ROUNDS if limit.probe else None
             if self.lending is not None:
                 self.lending.lend()
@@ -390,9 +394,12 @@ class SaguaroProposer:
         self.metrics.round_done(self._last_done)
         return [[] for _ in range(rows)], None
 
-    def _idle(self, batch: int, decoding: int, finished: set[str], arriving: bool = False) -> bool:
+    def _idle(self, req_ids: list[str], decoding: int, finished: set[str],
+              arriving: bool = False) -> bool:
         """Stay away from the draft while the controller said speculation cannot pay at a
-        batch this large; wake when the batch shrinks to where it could, or to recheck.
+        batch this large; wake when the batch shrinks to where it could, or to recheck
+        (after the advice's recheck_s, or where it says new_text once the batch holds
+        only requests that joined since).
         The batch counts the requests still prefilling: while a batch is arriving (its
         requests join a few at a time) the draft stays idle and the cores stay lent.
         A round in which a batch arrives (requests joined, and the draft holds none of
@@ -415,11 +422,12 @@ class SaguaroProposer:
             self._probe_rounds -= 1
             recheck = self._probe_rounds < 0
         else:
-            recheck = time.monotonic() - self._idle_since >= self._recheck_s
-        if batch > self.idle_above and not recheck:
+            recheck = (time.monotonic() - self._idle_since >= self._recheck_s
+                       or (self._idle_ids is not None and not self._idle_ids & set(req_ids)))
+        if len(req_ids) > self.idle_above and not recheck:
             self._gone |= finished
             return True
-        self._probe_rounds = None
+        self._probe_rounds = self._idle_ids = None
         self.idle_above = None  # the draft resynchronises every sequence (mirror mismatch)
         if self.lending is not None:
             self.lending.give_back()  # before the draft runs again on its cores
