@@ -218,6 +218,28 @@ def test_the_realized_rate_bound_widens_with_noise_and_narrows_with_rounds():
     assert noisy.upper(2, 0.0) is None  # not measured: as rate
 
 
+def test_the_fallback_drafts_on_while_the_run_of_likely_tokens_pays():
+    """draft_more_pays: one more step where the next token, guessed as likely as the
+    last, raises the batch's expected rate over its cost; not for an unlikely one."""
+    from vllm_saguaro.core.controller import draft_more_pays
+
+    def verify(w):
+        return 0.04 + 0.001 * w
+
+    sure = [Candidate(free=(0.9,), cap=1)], [Candidate(free=(0.9, 0.9), cap=2)]
+    assert draft_more_pays(*sure, verify, step_s=0.005, spent_s=0.005)  # 2.71 / 53 ms > 1.9 / 47
+    unsure = [Candidate(free=(0.2,), cap=1)], [Candidate(free=(0.2, 0.2), cap=2)]
+    assert not draft_more_pays(*unsure, verify, step_s=0.005, spent_s=0.005)
+    # a costly step (a large batch's draft, a slow draft) does not pay even for a sure token
+    assert not draft_more_pays(*sure, verify, step_s=0.05, spent_s=0.005)
+    # the other rows' tokens count in the batch's rate: beside a hit of 3 sure tokens the
+    # same step is worth less
+    hit = Candidate(free=(0.95,) * 3, cap=3)
+    assert not draft_more_pays([hit, sure[0][0]], [hit, sure[1][0]], verify, step_s=0.012,
+                               spent_s=0.005)
+    assert draft_more_pays(*sure, verify, step_s=0.012, spent_s=0.005)
+
+
 def test_the_measured_rate_clamps_the_model_both_ways():
     """RealizedRate.clamp: the model's rate where nothing is measured, and within the
     measurement's bounds; moved to the nearer bound where the measurement rules it out,

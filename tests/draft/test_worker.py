@@ -710,6 +710,34 @@ def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     assert w._explore == 0  # another batch size: not tried there
 
 
+def test_the_fallback_drafts_on_while_its_tokens_are_likely(tiny_target, hf):
+    """_draft_now drafts its planned steps, then more while `more` says so (up to K), the
+    same greedy tokens as the planned ones; _draft_more says so where the last token's
+    calibrated confidence makes the next one pay (core/controller.py draft_more_pays),
+    not where it is unlikely, and never under a pinned K."""
+    from vllm_saguaro.core.cache import Speculation
+    from vllm_saguaro.core.controller import Candidate
+    from vllm_saguaro.core.sampling import SamplingSpec
+
+    w = lent_worker(tiny_target, regime="ssd")
+    p = [5, 17, 99, 3, 250, 7]
+    w._sync("a", p, SamplingSpec())
+    asked = []
+    drafts = w._draft_now(["a"], 1, lambda d: asked.append(len(d[0].tokens)) or True)
+    assert drafts[0].tokens == hf_greedy(hf, p, w.K) and asked == [1, 2]
+    assert len(drafts[0].confidence) == w.K
+    assert w._draft_now(["a"], 1, lambda d: False)[0].tokens == hf_greedy(hf, p, 1)
+    cands = [Candidate(neural=(0.5,) * w.K, cap=w.K)]
+    one = [Speculation([7], None, [0.97])]
+    for rate, expected in [(0.1, False), (0.97, True)]:
+        w.calibration.rate = lambda c, r=rate: r
+        more = w._draft_more(cands, [0], {}, {}, time.perf_counter())
+        assert more(one) is expected
+    assert more([Speculation([7, 8, 9], None, [0.97] * 3)]) is False  # at the cap
+    w.cfg.controller.policy = "fixed"  # K pinned
+    assert w._draft_more(cands, [0], {}, {}, time.perf_counter()) is None
+
+
 def test_ssd_passed_over_close_to_the_chosen_rate_is_tried_once_per_ttl(tiny_target):
     """_try_ssd: where the choice passes SSD over (for plain decoding here) while its
     model is within SSD_EXPLORE_SHARE of the chosen rate and it is not measured there,

@@ -11,12 +11,13 @@ draft/ray_actor.py as a Ray actor (GPU), each on a device of its own.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -24,7 +25,8 @@ from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation, SpeculationCache
 from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
                                           beats_plain, catch_up_pays, choose_lengths,
-                                          lent_sd_pays, lent_sd_worth, speculation_pays)
+                                          draft_more_pays, lent_sd_pays, lent_sd_worth,
+                                          speculation_pays)
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
@@ -543,13 +545,15 @@ class DraftWorker:
         if neural:
             t0 = time.perf_counter()
             rids = [updates[i][0] for i in neural]
-            for i, draft in zip(neural, self._draft_now(rids, plan.draft_steps)):
+            more = self._draft_more(cands, neural, specs, sources, t0)
+            drafts = self._draft_now(rids, plan.draft_steps, more)
+            for i, draft in zip(neural, drafts):
                 specs[i], sources[i] = draft, "neural"
             sunk = self._last_draft_s = time.perf_counter() - t0
             if not fresh & set(neural):  # a prefill would inflate the step's time
                 line = (self.borrowed_draft_cost if self._lent_sd and self.team.borrows
                         else self.draft_cost)
-                line.observe(len(neural), sunk / plan.draft_steps)
+                line.observe(len(neural), sunk / max(len(d.tokens) for d in drafts))
             self.stats.fallback_s += sunk
             self.stats.fallback_rounds += 1
             self.stats.fallback_seqs += len(neural)
@@ -559,6 +563,11 @@ class DraftWorker:
             st, spec, n = self.seqs[rid], specs[i], lengths[i]
             st.spec = spec.tokens[:n]
             st.source = sources[i] if n else "plain"
+            if sources[i] == "neural" and n and spec.confidence:
+                # calibrated from rounds with no pre-speculation too (SD on the lent
+                # cores): the confidences known at the draw (a sampled row's first only)
+                known = list(itertools.takewhile(lambda c: c is not None, spec.confidence[:n]))
+                st.confidence = known or None
             probs = spec.probs[:n] if spec.probs is not None and n else None
             flag = True if i in hits else (False if i in looked_up else None)
             results.append((st.spec, flag, self._wire_q(probs)))
@@ -591,6 +600,12 @@ class DraftWorker:
             self.fast_acceptance.observe(len(sampled) - 1, len(st.spec))
         else:
             self.acceptance.observe(len(sampled) - 1, len(st.spec))
+
+    def _source_alphas(self, spec: Speculation, source: str) -> tuple[float, ...]:
+        """_alphas by who drafted it: the fast backup's tokens at its own rate."""
+        if source == "fast":
+            return (self.fast_acceptance.rate,) * len(spec.tokens)
+        return () if source == "plain" else self._alphas(spec)
 
     def _alphas(self, spec: Speculation) -> tuple[float, ...]:
         """P(accept) of each token of a drafted speculation: its calibrated confidence where
@@ -643,15 +658,9 @@ class DraftWorker:
         a drafted token the draft turned out unsure of is not worth verifying."""
         final = []
         for i, c in enumerate(cands):
-            spec, src = specs[i], sources[i]
-            if src == "fast":
-                alphas = (self.fast_acceptance.rate,) * len(spec.tokens)
-            elif src == "plain":
-                alphas = ()
-            else:
-                alphas = self._alphas(spec)
             fixed = c.fixed or not self._verify_cost().known
-            final.append(Candidate(free=alphas, cap=c.cap, fixed=fixed))
+            final.append(Candidate(free=self._source_alphas(specs[i], sources[i]), cap=c.cap,
+                                   fixed=fixed))
         return choose_lengths(final, self._verify_cost().predict, lambda rows: 0.0,
                               sunk_s=sunk).lengths
 
@@ -1116,8 +1125,10 @@ class DraftWorker:
         self.stats.ops_rows += len(rows)
         return q.cpu()
 
-    def _draft_now(self, rids: list[str], steps: int | None = None) -> list[Speculation]:
-        """Neural fallback = ordinary SD drafting of `steps` (K) tokens, on the critical path."""
+    def _draft_now(self, rids: list[str], steps: int | None = None,
+                   more: Callable[[list[Speculation]], bool] | None = None) -> list[Speculation]:
+        """Neural fallback = ordinary SD drafting of `steps` (K) tokens, on the critical
+        path; then one more while more(the drafts so far) says so, up to K."""
         windows = []
         for rid in rids:
             st = self.seqs[rid]
@@ -1126,11 +1137,43 @@ class DraftWorker:
         hidden = [h[-1] for h in self._extend(rids, windows)]
         draws = _Draws(len(rids))
         origins = [(len(self.seqs[r].tokens), self.seqs[r].tokens[-1]) for r in rids]
-        for step in range(self.K if steps is None else steps):
+        planned = self.K if steps is None else steps
+        step = 0
+        while step < planned or (more is not None and 0 < step < self.K
+                                 and more(draws.speculations())):
             if step:
                 hidden = [h[-1] for h in self._extend(rids, [[t[-1]] for t in draws.tokens])]
             draws.add(*self._choose(rids, torch.stack(hidden), step, origins))
+            step += 1
         return draws.speculations()
+
+    def _draft_more(self, cands: list[Candidate], neural: list[int],
+                    specs: dict[int, Speculation], sources: dict[int, str], t0: float):
+        """The fallback's `more` (_draft_now): one more step where it raises the batch's
+        expected rate (core/controller.py draft_more_pays), each drafting row's next
+        token guessed as likely to be accepted as its last (calibrated confidence; a
+        sampled row's is not its draw's: a_p after the first, as losslessness needs).
+        None under a pinned K or for seeded rows (their lengths must not vary)."""
+        ctl = self.cfg.controller
+        if (ctl.policy != "auto" or ctl.force_lengths is not None
+                or any(cands[i].fixed for i in neural)):
+            return None
+        rows = set(neural)
+        others = [Candidate(free=self._source_alphas(specs[i], sources[i]), cap=c.cap,
+                            fixed=c.fixed) for i, c in enumerate(cands) if i not in rows]
+        verify, step_s = self._verify_cost().predict, self._draft_cost().predict(len(neural))
+        over = (self.lent_sd_overhead or 0.0) if self._lent_sd else 0.0
+
+        def more(drafts: list[Speculation]) -> bool:
+            now, nxt = list(others), list(others)
+            for i, d in zip(neural, drafts):
+                a = self._alphas(d)
+                now.append(Candidate(free=a, cap=min(len(a), cands[i].cap)))
+                longer = a + a[-1:] if len(a) < cands[i].cap else a
+                nxt.append(Candidate(free=longer, cap=min(len(longer), cands[i].cap)))
+            spent = time.perf_counter() - t0 + over
+            return nxt != now and draft_more_pays(now, nxt, verify, step_s, spent)
+        return more
 
     def prespeculate(self) -> None:
         """Glue, fork and tree-decode for every sequence with a speculation in flight."""
