@@ -519,7 +519,8 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     assert w.lent_sd_overhead == pytest.approx(0.3)  # 1 s - 0.5 target - 0.2 drafting
     # paid: once what it gave over min_rounds beats plain decoding on the lent cores
     # there by the entry margin; no longer once it gives less than plain decoding
-    w.lent_cost, w.lent_widths = type(w.target_cost)(), {2}
+    w.lent_cost = type(w.target_cost)()
+    measured_lent(w, {2})
     for _ in range(4):
         w.lent_cost.observe(2, 1.0)  # plain decoding: 2 tokens a second at batch 2
         w.target_cost.observe(2, 2.0)  # (on the target's own cores: 1)
@@ -540,7 +541,8 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
 def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
     """Where speculation beats plain decoding on the target's own core, plain decoding on
     the lent cores has not run yet: the draft idles a few rounds there first (a probe),
-    then decides with that measurement, and does not probe that batch size again."""
+    then decides with that measurement, and does not probe that batch size again (until
+    it is stale: the next test)."""
     w = worker(tiny_target, controller={"policy": "auto"})
     p = [5, 17, 99, 3, 250, 7]
     results, _, _, idle, _ = w.step([("a", None, p, None)], [], CHEAP)
@@ -558,6 +560,27 @@ def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
     assert idle is not None and not idle.probe and results[0][0] == []
 
 
+def test_plain_decoding_on_the_lent_cores_is_probed_again_once_stale(tiny_target):
+    """Where speculation is chosen and plain decoding on the lent cores has not run for
+    LENT_REPROBE_S (nothing measures it while speculating), it is probed again, and the
+    old line weighs LENT_REPROBE_KEEP against the probe's rounds: a first probe in a cold
+    engine (slow) does not hold plain decoding low for good."""
+    from vllm_saguaro.draft.worker import LENT_REPROBE_KEEP, LENT_REPROBE_S, IdleAdvice
+
+    w = lent_worker(tiny_target, regime="lent_sd")  # speculation (SD on the lent cores) chosen
+    w._lent_sd_rate = lambda b, now, measured=True: 1e3
+    now = time.perf_counter()
+    w._lent_at[1] = now
+    assert w._idle_limit(1) is None  # measured just now
+    w._lent_at[1] = now - LENT_REPROBE_S - 1
+    weight = w.lent_cost.s0
+    assert w._idle_limit(1) == IdleAdvice(0, probe=True) and w.stats.lent_probes == 1
+    assert w.lent_cost.s0 == pytest.approx(LENT_REPROBE_KEEP * weight)
+    assert w._idle_limit(1) is None  # probed just now: its rounds come with the next step
+    w._probed[1] -= LENT_REPROBE_S + 1
+    assert w._idle_limit(1).probe and w.stats.lent_probes == 2
+
+
 def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(tiny_target):
     """_idle_limit with a catch-up: speculation beats plain decoding on the lent cores by
     1 token/s (5 tokens in the 5 s horizon); prefilling 100 tokens (0.1 s without the lent
@@ -570,7 +593,7 @@ def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(ti
         for width, own, lent in [(1, 0.06, 0.04), (2, 0.07, 0.05)]:
             w.target_cost.observe(width, own)
             w.lent_cost.observe(width, lent)
-    w.lent_widths |= {1, 2}
+    measured_lent(w, {1, 2})
     plain, own = 1 / w.lent_cost.predict(1), 1 / w.target_cost.predict(1)  # ~23 and ~16 tok/s
     assert 6 < plain - own < 8
     w._expected_rate = lambda b: plain + 1.0
@@ -583,7 +606,7 @@ def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(ti
     assert w._idle_limit(1, 2000) is None
     # a batch size plain decoding on the lent cores ran at only briefly (the batch arriving
     # or draining): the lent cores' line stands in for a measurement there
-    w.lent_widths, w._probed = {2}, {1}  # probed once, too briefly to measure
+    w.lent_widths, w._probed = {2}, {1: time.perf_counter()}  # probed, too briefly to measure
     w._expected_rate = lambda b: plain + 1.0
     assert w._idle_limit(1, 2000) == IdleAdvice(0, probe=False)
 
@@ -601,6 +624,12 @@ def test_the_catch_up_counts_the_tokens_beyond_the_kv_the_draft_holds(tiny_targe
                                ("c", [4], None, None)]) == 3 + 5
 
 
+def measured_lent(w, widths):
+    """Plain decoding on the lent cores measured just now at these widths."""
+    w.lent_widths |= widths
+    w._lent_at.update(dict.fromkeys(widths, time.perf_counter()))
+
+
 def lent_worker(tiny_target, **controller):
     """A worker whose target verifies on every core (lent) twice as fast as on its own
     core, with a cheap draft step: SD on the lent cores beats SSD and plain decoding."""
@@ -609,7 +638,7 @@ def lent_worker(tiny_target, **controller):
         for width, own, lent in [(1, 0.06, 0.03), (2, 0.0605, 0.0301), (4, 0.061, 0.0302)]:
             w.target_cost.observe(width, own)
             w.lent_cost.observe(width, lent)
-    w.lent_widths |= {1, 2, 4}
+    measured_lent(w, {1, 2, 4})
     w.draft_cost.observe(1, 0.002)
     return w
 

@@ -366,6 +366,12 @@ class StepCost:
         if width > 0 and seconds > 0:
             self._add(float(width), seconds)
 
+    def discount(self, keep: float) -> None:
+        """Weigh what was measured so far by `keep` (0..1): the next observations, a new
+        measurement, dominate the line (the slope once identified stays)."""
+        self.s0, self.s1, self.s2 = keep * self.s0, keep * self.s1, keep * self.s2
+        self.t0, self.t1 = keep * self.t0, keep * self.t1
+
     @property
     def known(self) -> bool:
         return self.s0 > 0

@@ -119,6 +119,15 @@ CLOSE_RECHECK_S = 10.0
 SSD_EXPLORE_SHARE = 0.3
 SSD_EXPLORE_ROUNDS = 24
 
+# Plain decoding on the lent cores is measured again (a probe, IdleAdvice.probe) at a
+# batch size where it has not run for this long and speculation is chosen there, the old
+# line then weighed by LENT_REPROBE_KEEP: while SD on the lent cores or SSD runs, nothing
+# else measures it. Measured at batch 1 (T = 1): the first probe ran in the engine's
+# warm-up and put plain decoding at 11 tok/s, 13-16 after, where plain vLLM ran 18, and
+# SD on the lent cores at 17-20 was taken as far ahead of it (0.94-0.95x plain vLLM).
+LENT_REPROBE_S = 30.0
+LENT_REPROBE_KEEP = 0.1
+
 
 class IdleAdvice(NamedTuple):
     """The draft may idle while the batch is larger than `limit`; `probe`: only to
@@ -235,7 +244,9 @@ class DraftWorker:
         # one line for both raises plain decoding's estimate (suspected at batch 4, where
         # SD on the lent cores ran 0.89x plain decoding while expected faster)
         self.lent_sd_cost = StepCost() if self.lent_cost is not None else None
-        self._probed: set[int] = set()  # batch sizes idled once to measure the lent cores
+        # batch size -> when plain decoding on the lent cores was last probed, measured
+        self._probed: dict[int, float] = {}
+        self._lent_at: dict[int, float] = {}
         self.realized = RealizedRate(alpha=0.05)  # what speculation gave, round to round
         # and SD on the lent cores, over more rounds: it is weighed against plain decoding
         # on the same cores, 0-25% apart at batch 1, and its first rounds on an engine ran
@@ -418,6 +429,7 @@ class DraftWorker:
                 elif self.lent_cost is not None:
                     self.lent_cost.observe(width, seconds)
                     self.lent_widths.add(width)
+                    self._lent_at[width] = t0
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._observe_round(updates, t0, target_steps[-1][1] if target_steps else None)
             self._wake(updates)
@@ -763,8 +775,10 @@ class DraftWorker:
             if self._try_ssd(batch, now, batch / max(plain(batch), 1e-9)):
                 return None
             return self._close_idle(limit, batch, plain)
-        if self.lent_cost is not None and batch not in self.lent_widths | self._probed:
-            self._probed.add(batch)
+        if self.lent_cost is not None and self._probe_due(batch, now):
+            if batch in self.lent_widths:  # measured before: the probe's rounds decide
+                self.lent_cost.discount(LENT_REPROBE_KEEP)
+            self._probed[batch] = now
             self.stats.lent_probes += 1
             return IdleAdvice(batch - 1, probe=True)
         if catch_up_tokens and self.lent_cost is not None and self.lent_cost.known:
@@ -778,6 +792,14 @@ class DraftWorker:
                 self.stats.catch_up_idles += 1
                 return IdleAdvice(batch - 1, probe=False)
         return None
+
+    def _probe_due(self, batch: int, now: float) -> bool:
+        """Plain decoding on the lent cores is to be measured at this batch size: never
+        measured (nor probed), or neither for LENT_REPROBE_S."""
+        last = max(self._lent_at.get(batch, -LENT_REPROBE_S), self._probed.get(batch, -LENT_REPROBE_S))
+        if batch not in self.lent_widths and batch not in self._probed:
+            return True
+        return now - last > LENT_REPROBE_S
 
     def _close_idle(self, limit: int, batch: int, plain_s) -> IdleAdvice:
         """The idle, and when to ask again where it is a close one: SD on the lent cores'
