@@ -561,18 +561,16 @@ def test_lent_cores_are_probed_once_per_batch_size(tiny_target, hf):
 
 
 def test_plain_decoding_on_the_lent_cores_is_probed_again_once_stale(tiny_target):
-    """Where speculation is chosen and plain decoding on the lent cores has not run for
-    LENT_REPROBE_S (nothing measures it while speculating), it is probed again, and the
-    old line weighs LENT_REPROBE_KEEP against the probe's rounds: a first probe in a cold
-    engine (slow) does not hold plain decoding low for good."""
+    """Where speculation is chosen and plain decoding on the lent cores was not probed for
+    LENT_REPROBE_S (only the odd round measures it while speculating), it is probed
+    again, and the old line weighs LENT_REPROBE_KEEP against the probe's rounds: a first
+    probe in a cold engine (slow) does not hold plain decoding low for good."""
     from vllm_saguaro.draft.worker import LENT_REPROBE_KEEP, LENT_REPROBE_S, IdleAdvice
 
     w = lent_worker(tiny_target, regime="lent_sd")  # speculation (SD on the lent cores) chosen
     w._lent_sd_rate = lambda b, now, measured=True: 1e3
-    now = time.perf_counter()
-    w._lent_at[1] = now
-    assert w._idle_limit(1) is None  # measured just now
-    w._lent_at[1] = now - LENT_REPROBE_S - 1
+    assert w._idle_limit(1) is None  # measured (not probed) in the worker's first 30 s
+    w._started -= LENT_REPROBE_S + 1
     weight = w.lent_cost.s0
     assert w._idle_limit(1) == IdleAdvice(0, probe=True) and w.stats.lent_probes == 1
     assert w.lent_cost.s0 == pytest.approx(LENT_REPROBE_KEEP * weight)
@@ -627,7 +625,6 @@ def test_the_catch_up_counts_the_tokens_beyond_the_kv_the_draft_holds(tiny_targe
 def measured_lent(w, widths):
     """Plain decoding on the lent cores measured just now at these widths."""
     w.lent_widths |= widths
-    w._lent_at.update(dict.fromkeys(widths, time.perf_counter()))
 
 
 def lent_worker(tiny_target, **controller):
