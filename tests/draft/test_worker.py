@@ -677,7 +677,6 @@ def test_sd_on_the_lent_cores_is_taken_up_only_with_a_margin(tiny_target):
     w.prespeculate()
     update = [("a", [1], None, None)]
     w._ssd_rate = lambda b, now: 30.0
-    w._ssd_tried[1] = time.perf_counter()  # (tried just now: _try_ssd waits its ttl)
     for gain, entering, continuing in [(LENT_SD_ENTRY_MARGIN / 2, False, True),
                                        (2 * LENT_SD_ENTRY_MARGIN, True, True)]:
         w._lent_sd_rate = lambda b, now, measured=True: 30.0 * (1 + gain)
@@ -764,39 +763,24 @@ def test_the_fallback_drafts_on_while_its_tokens_are_likely(tiny_target, hf):
     assert w._draft_more(cands, [0], {}, {}, time.perf_counter()) is None
 
 
-def test_ssd_passed_over_close_to_the_chosen_rate_is_tried_once_per_ttl(tiny_target):
-    """_try_ssd: where the choice passes SSD over (for plain decoding here) while its
-    model is within SSD_EXPLORE_SHARE of the chosen rate and it is not measured there,
-    SSD runs for SSD_EXPLORE_ROUNDS steps (no idle, no SD on the lent cores, the plan
-    not cut to plain decoding by the model it would overrule); not again at that batch
-    size for the measurement's ttl; not where its model is far behind."""
-    from vllm_saguaro.draft.worker import SSD_EXPLORE_ROUNDS, SSD_EXPLORE_SHARE
-
-    w = lent_worker(tiny_target, regime="auto")
-    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
-    w.prespeculate()
+def test_ssd_measured_ahead_of_plain_decoding_is_not_cut_by_the_plan(tiny_target):
+    """_ssd_measured_ahead: SSD measured (its rounds' bounds) surely above plain decoding
+    on the lent cores: the plan's model, which put it behind, no longer cuts its
+    lengths to plain decoding (_beats_lent_plain, _prespeculation_pays)."""
+    w = lent_worker(tiny_target, regime="ssd")
     plain = 1 / w._plain_s()(1)
-    w._lent_sd_rate = lambda b, now, measured=True: None
-    one = [("a", [1], None, None)]
-    for share, tried in [(1.5, False), (0.5, True)]:
-        w._ssd_rate = lambda b, now: plain * (1 - share * SSD_EXPLORE_SHARE)
-        advice = w._idle_limit(1)
-        assert (advice is None) == tried and w.stats.ssd_explores == tried
-    assert w._exploring("ssd") and w._explore == SSD_EXPLORE_ROUNDS
-    assert not w._lent_sd_step(one) and w._beats_lent_plain(type("P", (), {"lengths": [1]}), 1)
-    for _ in range(SSD_EXPLORE_ROUNDS):
-        w._wake(one)
-    assert not w._exploring("ssd") and w._idle_limit(1) is not None  # tried: not again soon
-    w._ssd_tried[1] -= w.realized.ttl_s
-    assert w._idle_limit(1) is None and w.stats.ssd_explores == 2
-    # measured: SSD's rounds then decide (clamp); surely ahead of plain decoding, the
-    # plan's model no longer cuts it to plain decoding
-    w._explore = 0
+    plan = type("P", (), {"lengths": [1], "tokens": 1.0, "seconds": 1.0, "rate": 1.0})
     now = time.perf_counter()
+    assert not w._ssd_measured_ahead(1, w._plain_s())  # nothing measured
+    assert not w._beats_lent_plain(plan, 1)  # the model's plan: 1 token/s
+    for _ in range(w.realized.min_rounds):
+        w.realized.observe(1, 1, 1.05 / plain, now)  # just below plain decoding
+    assert not w._ssd_measured_ahead(1, w._plain_s())
+    w.realized.forget(1)
     for _ in range(w.realized.min_rounds):
         w.realized.observe(1, 2, 1.0 / plain, now)  # twice plain decoding's rate
     assert w._ssd_measured_ahead(1, w._plain_s())
-    assert not w._try_ssd(1, now, plain)  # measured: nothing to try
+    assert w._beats_lent_plain(plan, 1) and w._prespeculation_pays(1)
 
 
 def test_ssd_where_the_lent_cores_verify_no_faster(tiny_target, hf):

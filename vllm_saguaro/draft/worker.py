@@ -109,19 +109,6 @@ PREFILL_MEASURE_TOKENS = 64
 CLOSE_SHARE = 0.1
 CLOSE_RECHECK_S = 10.0
 
-# SSD passed over (for plain decoding or SD on the lent cores) although its model puts it
-# within this share of the chosen rate, and not measured at this batch size for its
-# RealizedRate's ttl_s, is tried for SSD_EXPLORE_ROUNDS steps (_try_ssd), so that its
-# measured rate (RealizedRate.clamp) can overrule the model. Measured at batch 1
-# (HumanEval, T = 0): the model put SSD at 18-20 tok/s against 24-26 for SD on the lent
-# cores (a_p 0.41-0.55 from SD's one-token rounds, the hit rate at its 0.5 prior), where
-# SSD at K = 3 ran 1.22x plain decoding and 1.11x vLLM's SD. Within 30% it was tried at
-# batch 1 in the engine's first rounds (on MT-Bench, where it is slow: measured so, not
-# tried again on HumanEval within the ttl) and at batch 4 (model 0.73x plain decoding),
-# where 24 rounds at ~0.55x cost a group 10-20%: so only a close call is tried.
-SSD_EXPLORE_SHARE = CLOSE_SHARE
-SSD_EXPLORE_ROUNDS = 24
-
 # Plain decoding on the lent cores is measured again (a probe, IdleAdvice.probe) at a
 # batch size where it was not probed for this long and speculation is chosen there, the
 # old line then weighed by LENT_REPROBE_KEEP: while SD on the lent cores or SSD runs,
@@ -271,10 +258,8 @@ class DraftWorker:
         # and where it ever did (a close idle there ends on new text)
         self.lent_sd_paid: set[int] = set()
         self.lent_sd_ever_paid: set[int] = set()
-        # steps left that try a regime ('lent_sd' after a close idle, 'ssd': _try_ssd)
-        # at this batch size
-        self._explore, self._explore_batch, self._explore_regime = 0, 0, "lent_sd"
-        self._ssd_tried: dict[int, float] = {}  # batch size -> when SSD was last tried
+        # steps left that try SD on the lent cores after a close idle, at this batch size
+        self._explore, self._explore_batch = 0, 0
         # steps in a row that were SSD's on continuing sequences (not idle, not lent_sd,
         # none new), up to the last one: the realized rate measures SSD from the second
         # on (the first after a switch or a new request is a cold miss: measured at
@@ -694,8 +679,8 @@ class DraftWorker:
                 or self._lent_sd):  # lent_sd: the plan's own line is plain decoding's
             return True
         plain_s = self._plain_s()
-        if self._exploring("ssd") or (plain_s is not None and self._ssd_measured_ahead(batch, plain_s)):
-            return True  # the model put it behind; trying it, or measured ahead (_try_ssd)
+        if plain_s is not None and self._ssd_measured_ahead(batch, plain_s):
+            return True  # measured ahead: the model that put it behind is overruled
         return beats_plain(plan, batch, plain_s)
 
     def _observe_round(self, updates: list[Update], now: float,
@@ -774,8 +759,6 @@ class DraftWorker:
 
         limit = batch_limit(rate, plain, max_batch=batch)
         if limit < batch:
-            if self._try_ssd(batch, now, batch / max(plain(batch), 1e-9)):
-                return None
             return self._close_idle(limit, batch, plain)
         if self.lent_cost is not None and self._probe_due(batch, now):
             if batch in self.lent_widths:  # measured before: the probe's rounds decide
@@ -835,32 +818,9 @@ class DraftWorker:
         if self._limit is not None and (self._limit.recheck_s is not None or self._limit.new_text):
             self.lent_sd_realized.forget(batch)
             self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
-            self._explore_regime = "lent_sd"
             self.stats.lent_sd_explores += 1
         elif self._explore > 0:  # another batch size: its own decision
             self._explore = self._explore - 1 if batch == self._explore_batch else 0
-
-    def _try_ssd(self, batch: int, now: float, chosen: float) -> bool:
-        """Whether to try SSD now (for SSD_EXPLORE_ROUNDS steps) where the choice passes
-        it over for a rate `chosen` its model is within SSD_EXPLORE_SHARE of, and it has
-        not been measured (or tried) at this batch size for its RealizedRate's ttl_s: the
-        measurement then overrules the model (RealizedRate.clamp). A try that loses
-        costs at most ~SSD_EXPLORE_ROUNDS rounds at that share below the chosen rate,
-        once per ttl_s (120 s)."""
-        ctl = self.cfg.controller
-        if (ctl.regime != "auto" or not self.cfg.async_ or self._explore > 0
-                or not self.draft_cost.known
-                or self.realized.rate(batch, now) is not None
-                or now - self._ssd_tried.get(batch, -self.realized.ttl_s) < self.realized.ttl_s
-                or self._ssd_rate(batch, now) < (1.0 - SSD_EXPLORE_SHARE) * chosen):
-            return False
-        self._ssd_tried[batch] = now
-        self._explore, self._explore_batch, self._explore_regime = SSD_EXPLORE_ROUNDS, batch, "ssd"
-        self.stats.ssd_explores += 1
-        return True
-
-    def _exploring(self, regime: str) -> bool:
-        return self._explore > 0 and self._explore_regime == regime
 
     def _ssd_measured_ahead(self, batch: int, plain_s) -> bool:
         """SSD measured (RealizedRate.bounds) surely above plain decoding at this batch
@@ -894,7 +854,7 @@ class DraftWorker:
         """_lent_sd_rate as the choice weighs it: discounted unless the last step was SD
         on the lent cores already (core/controller.py lent_sd_worth)."""
         return lent_sd_worth(self._lent_sd_rate(batch, now),
-                             continuing=self._lent_sd_steps > 0 or self._exploring("lent_sd"))
+                             continuing=self._lent_sd_steps > 0 or self._explore > 0)
 
     def _lent_sd_step(self, updates: list[Update]) -> bool:
         """Whether this step is SD on the lent cores (controller.regime; auto: where it is
@@ -908,14 +868,11 @@ class DraftWorker:
             return False
         if regime == "lent_sd":
             return True
-        if self._exploring("ssd"):
-            return False
         now = time.perf_counter()
         lent_sd = self._lent_sd_worth(len(updates), now)
         if lent_sd is None or not self.target_cost.known:  # SSD's rounds measure it first
             return False
-        return (lent_sd_pays(self._ssd_rate(len(updates), now), lent_sd)
-                and not self._try_ssd(len(updates), now, lent_sd))
+        return lent_sd_pays(self._ssd_rate(len(updates), now), lent_sd)
 
     def _expected_rate(self, batch: int) -> float:
         """Tokens per second speculation is expected to give at this batch size."""
@@ -937,8 +894,8 @@ class DraftWorker:
         if ctl.policy != "auto" or ctl.force_lengths is not None or not self.target_cost.known:
             return True
         plain_s = self._plain_s()
-        if self._exploring("ssd") or (plain_s is not None and self._ssd_measured_ahead(batch, plain_s)):
-            return True  # trying SSD, or measured ahead: the model is overruled (_try_ssd)
+        if plain_s is not None and self._ssd_measured_ahead(batch, plain_s):
+            return True  # measured ahead: the model that put it behind is overruled
         hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
         return speculation_pays([hit] * batch, self.target_cost.predict, plain_s)
 
