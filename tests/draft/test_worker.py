@@ -717,21 +717,21 @@ def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     model = plain * (1 - 2 * CLOSE_SHARE)
     assert w._idle_limit(1) == IdleAdvice(0, False, None, False)
     model = plain * (1 - CLOSE_SHARE / 2)
-    one, two = [("a", [1], None, None)], [("a", [1], None, None), ("b", [1], None, None)]
+    one = [("a", [1], None, None)]
     for explores, advice in [(1, IdleAdvice(0, False, CLOSE_RECHECK_S)),
                              (2, IdleAdvice(0, False, None, True))]:
         w._limit = advice
         for _ in range(w.lent_sd_realized.min_rounds):
             w.lent_sd_realized.observe(1, 1, 1.0, time.perf_counter())  # what it gave, then
-        w._wake(one)
+        w._wake(1)
         w._limit = None
         assert w.lent_sd_realized.rounds(1) == 0 and w.stats.lent_sd_explores == explores
         for _ in range(w.lent_sd_realized.min_rounds):  # the waking step and those after
             assert w._idle_limit(1) is None and w._lent_sd_step(one)
-            w._wake(one)
+            w._wake(1)
         assert w._idle_limit(1) is not None  # tried: the model decides again
     w._explore = 5
-    w._wake(two)
+    w._wake(2)
     assert w._explore == 0  # another batch size: not tried there
 
 

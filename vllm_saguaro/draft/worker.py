@@ -112,9 +112,10 @@ CLOSE_RECHECK_S = 10.0
 # Plain decoding on the lent cores is measured again (a probe, IdleAdvice.probe) at a
 # batch size where it was not probed for this long and speculation is chosen there, the
 # old line then weighed by LENT_REPROBE_KEEP: while SD on the lent cores or SSD runs,
-# only the odd round measures it (a new request's first, at batch 1). Measured at batch 1 (T = 1): the first probe ran in the engine's
-# warm-up and put plain decoding at 11 tok/s, 13-16 after, where plain vLLM ran 18, and
-# SD on the lent cores at 17-20 was taken as far ahead of it (0.94-0.95x plain vLLM).
+# only the odd round measures it (a new request's first, at batch 1). Measured at batch
+# 1 (T = 1): the first probe ran in the engine's warm-up and put plain decoding at 11
+# tok/s, 13-16 after, where plain vLLM ran 18, and SD on the lent cores at 17-20 was
+# taken as far ahead of it (0.94-0.95x plain vLLM).
 LENT_REPROBE_S = 30.0
 LENT_REPROBE_KEEP = 0.1
 
@@ -419,7 +420,7 @@ class DraftWorker:
                     self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._observe_round(updates, t0, target_steps[-1][1] if target_steps else None)
-            self._wake(updates)
+            self._wake(len(updates))
             self._limit = self._idle_limit(len(updates), self._catch_up_tokens(updates))
             self._lent_sd = self._limit is None and self._lent_sd_step(updates)
             self.stats.lent_sd_steps += self._lent_sd
@@ -809,12 +810,11 @@ class DraftWorker:
                           recheck_s=CLOSE_RECHECK_S if batch in self.lent_sd_paid else None,
                           new_text=batch in self.lent_sd_ever_paid)
 
-    def _wake(self, updates: list[Update]) -> None:
+    def _wake(self, batch: int) -> None:
         """The first step after a close idle (IdleAdvice.recheck_s or new_text): try SD
         on the lent cores for as many steps as its measurement needs (min_rounds), by
         the model alone (its stale measurement forgotten, no entry margin), so that the
         next decision sees the text running now."""
-        batch = len(updates)
         if self._limit is not None and (self._limit.recheck_s is not None or self._limit.new_text):
             self.lent_sd_realized.forget(batch)
             self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
