@@ -238,8 +238,8 @@ def speculation_pays(cands: list[Candidate], target_s: Callable[[int], float],
     return sum(plan.lengths) > 0 and beats_plain(plan, len(cands), plain_s)
 
 
-# How many standard errors below the model a realized rate must fall to overrule it
-# (RealizedRate.upper): a round gives 1, 2 or 3 tokens, so a short average swings.
+# How many standard errors from the model a realized rate must be to overrule it
+# (RealizedRate.clamp): a round gives 1, 2 or 3 tokens, so a short average swings.
 REALIZED_Z = 2.0
 
 
@@ -318,11 +318,6 @@ class RealizedRate:
         n = min(rounds, (2 - self.alpha) / self.alpha)
         half = z * math.sqrt(var / max(n - 1, 1.0)) / s
         return r - half, r + half
-
-    def upper(self, batch: int, now: float, z: float = REALIZED_Z) -> float | None:
-        """The most the measurement cannot rule out (bounds)."""
-        b = self.bounds(batch, now, z)
-        return None if b is None else b[1]
 
     def clamp(self, expected: float, batch: int, now: float) -> float:
         """The model's rate moved into what the measurement cannot rule out (bounds), or

@@ -425,8 +425,7 @@ class DraftWorker:
             self._lent_sd = self._limit is None and self._lent_sd_step(updates)
             self.stats.lent_sd_steps += self._lent_sd
             self._lent_sd_steps = self._lent_sd_steps + 1 if self._lent_sd else 0
-            steady = self._limit is None and not self._lent_sd and not any(
-                full is not None or rid not in self.seqs for rid, _, full, _ in updates)
+            steady = self._limit is None and not self._lent_sd and not self._any_new(updates)
             self._ssd_steps = self._ssd_steps + 1 if steady else 0
             self.team.use(self._lent_sd)  # lent_sd: the target waits, its cores are free
             # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q
@@ -680,7 +679,7 @@ class DraftWorker:
                 or self._lent_sd):  # lent_sd: the plan's own line is plain decoding's
             return True
         plain_s = self._plain_s()
-        if plain_s is not None and self._ssd_measured_ahead(batch, plain_s):
+        if self._ssd_measured_ahead(batch, plain_s):
             return True  # measured ahead: the model that put it behind is overruled
         return beats_plain(plan, batch, plain_s)
 
@@ -822,10 +821,15 @@ class DraftWorker:
         elif self._explore > 0:  # another batch size: its own decision
             self._explore = self._explore - 1 if batch == self._explore_batch else 0
 
+    def _any_new(self, updates: list[Update]) -> bool:
+        """A new or resynced sequence in the batch (its prompt for the draft to prefill)."""
+        return any(full is not None or rid not in self.seqs for rid, _, full, _ in updates)
+
     def _ssd_measured_ahead(self, batch: int, plain_s) -> bool:
-        """SSD measured (RealizedRate.bounds) surely above plain decoding at this batch
-        size: the plan's model, which held it behind, is overruled."""
-        b = self.realized.bounds(batch, time.perf_counter())
+        """SSD measured (RealizedRate.bounds) surely above plain decoding (plain_s: its
+        step time, None without lent cores) at this batch size: the plan's model, which
+        held it behind, is overruled."""
+        b = None if plain_s is None else self.realized.bounds(batch, time.perf_counter())
         return b is not None and b[0] > batch / max(plain_s(batch), 1e-9)
 
     def _ssd_rate(self, batch: int, now: float) -> float:
@@ -864,7 +868,7 @@ class DraftWorker:
         regime = self.cfg.controller.regime
         if self.lent_cost is None or regime == "ssd" or not updates:
             return False
-        if any(full is not None or rid not in self.seqs for rid, _, full, _ in updates):
+        if self._any_new(updates):
             return False
         if regime == "lent_sd":
             return True
@@ -894,7 +898,7 @@ class DraftWorker:
         if ctl.policy != "auto" or ctl.force_lengths is not None or not self.target_cost.known:
             return True
         plain_s = self._plain_s()
-        if plain_s is not None and self._ssd_measured_ahead(batch, plain_s):
+        if self._ssd_measured_ahead(batch, plain_s):
             return True  # measured ahead: the model that put it behind is overruled
         hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
         return speculation_pays([hit] * batch, self.target_cost.predict, plain_s)
