@@ -858,3 +858,67 @@ def test_verifications_on_the_lent_cores_have_a_line_of_their_own(tiny_target, h
     assert w.lent_cost.predict(1) == pytest.approx(before)
     w.step([("a", hf_greedy(hf, p, 1), None, None)], [], [(1, 0.5, True)])
     assert w.lent_cost.predict(1) > before
+
+
+def test_sending_nothing_in_a_lent_sd_step_costs_a_plain_step(tiny_target, hf):
+    """In a lent_sd step the plan weighs sending nothing at plain decoding's line on the
+    lent cores (that step is vLLM's plain one), not at the lent_sd line's width-1 end:
+    here that line, fitted on widths 2 and 4, puts width 1 below plain decoding, and
+    with it a token accepted 3 times in 10 did not pay, so the draft was called for a
+    plain step. With plain decoding's cost it does (1.3 tokens in 33 ms against 1 in
+    30), as the regime's choice (sd_rate against plain decoding) assumed."""
+    from vllm_saguaro.core.fanout import AcceptanceFit
+
+    w = lent_worker(tiny_target, regime="lent_sd")
+    for _ in range(4):
+        w.lent_sd_cost.observe(2, 0.031)
+        w.lent_sd_cost.observe(4, 0.045)
+    assert w.lent_sd_cost.predict(1) < w.lent_cost.predict(1)
+    w.acceptance = AcceptanceFit(0.3, prior_weight=1e9)
+    w.calibration.rate = lambda c: 0.3
+    p = [5, 17, 99, 3, 250, 7]
+    w.step([("a", None, p, None)], [], ())
+    w.prespeculate()
+    bonus = hf_greedy(hf, p, 1)
+    results, _, _, idle, lent_sd = w.step([("a", bonus, None, None)], [], ())
+    assert idle is None and lent_sd
+    assert results[0][0] == hf_greedy(hf, p + bonus, 1) and w.stats.fallback_rounds == 1
+
+
+def test_the_fast_backup_is_measured_where_it_does_not_draft(tiny_target, hf):
+    """_shadow_fast: rows that did not send the fast backup's draft (SD on the lent
+    cores, neural misses, hits) still have it made, and their outcome judges it as far
+    as it shows the target's tokens: a mismatch inside them is a rejection, a match up to
+    the bonus a run of acceptances with nothing rejected (AcceptanceFit). Measured on
+    HumanEval at batch 1: SD on the lent cores never drafted with the fast backup, its
+    acceptance stayed at the 0.2 prior, and SSD's model (which serves misses with it) ran
+    19-23 tok/s where SSD pinned ran 29-36 with that acceptance measured at 0.65-0.69.
+    Not with `fallback: neural` (no fast backup to measure)."""
+    from vllm_saguaro.core.fallback import ngram_draft
+    from vllm_saguaro.draft.worker import SeqState
+
+    w = lent_worker(tiny_target, regime="lent_sd")
+    w.cfg.fallback = "auto"
+    fit = w.fast_acceptance
+    st = SeqState(tokens=[1, 2, 3])
+    for shadow, sampled, accepted, rejected in [([4, 5, 6], [4, 5, 9], 2, 1),
+                                                ([4, 5, 6], [4, 5], 2, 0),
+                                                ([7, 8, 9], [4], 0, 1),
+                                                ([4], [4, 5, 6], 1, 0)]:
+        a0, r0 = fit.accepted, fit.rejected
+        st.shadow_fast, st.spec = shadow, []
+        w._observe_outcome(st, sampled)
+        assert (fit.accepted - a0 * fit.decay, fit.rejected - r0 * fit.decay) == pytest.approx(
+            (accepted, rejected)) and st.shadow_fast is None
+    assert w.stats.fast_shadowed == 4
+    p = [5, 17, 99, 3, 250, 7, 5, 17]
+    w.step([("a", None, p, None)], [], ())
+    w.prespeculate()
+    bonus = hf_greedy(hf, p, 1)
+    (spec, _, _), = w.step([("a", bonus, None, None)], [], ())[0]
+    assert spec and w.seqs["a"].shadow_fast == ngram_draft(p + bonus, w.K)
+    w.step([("a", spec + hf_greedy(hf, p + bonus + spec, 1), None, None)], [], ())
+    assert w.stats.fast_shadowed == 6
+    w.cfg.fallback = "neural"
+    w.step([("b", None, p, None)], ["a"], ())
+    assert w.seqs["b"].shadow_fast is None

@@ -31,6 +31,7 @@ class DraftStats:
     acceptance_rate: float = 0.0  # the fitted a_p the geometric fan-out now uses
     budget: int = 0               # the geometric budget per sequence now in use
     fast_rounds: int = 0          # rounds whose misses the fast backup alone drafted
+    fast_shadowed: int = 0        # outcomes that judged a fast-backup draft not sent
     # Verified outcomes and the tokens they gave (accepted + bonus), by who drafted the
     # speculation: the theory's E_hit and E_miss, and the fast backup's own acceptance.
     hit_outcomes: int = 0

@@ -118,6 +118,9 @@ CLOSE_RECHECK_S = 10.0
 # taken as far ahead of it (0.94-0.95x plain vLLM).
 LENT_REPROBE_S = 30.0
 LENT_REPROBE_KEEP = 0.1
+# Rows a round whose fast-backup draft is made but not sent, to measure its acceptance
+# where it does not draft (_shadow_fast): ~0.05-0.15 ms each on the step's critical path
+SHADOW_ROWS = 4
 
 
 class IdleAdvice(NamedTuple):
@@ -145,6 +148,8 @@ class SeqState:
                                             # "fast"; "plain" = nothing sent
     aborted: bool = False                   # its pre-speculation was cut short
     confidence: list[float] | None = None   # the draft's confidence in each token of spec
+    shadow_fast: list[int] | None = None    # the fast backup's draft for this round, not
+                                            # sent: its acceptance measured all the same
 
 
 class _Draws:
@@ -571,6 +576,9 @@ class DraftWorker:
             flag = True if i in hits else (False if i in looked_up else None)
             results.append((st.spec, flag, self._wire_q(probs)))
             self.stats.sent[n] += 1
+            st.shadow_fast = (ngram_draft(st.tokens, self.K) if st.source != "fast"
+                              and (i + self._round) % len(updates) < SHADOW_ROWS
+                              and self._fast_allowed(st) else None)
         return results
 
     def _note_models(self) -> None:
@@ -589,8 +597,17 @@ class DraftWorker:
         st.fast_acceptance_rate = self.fast_acceptance.rate
 
     def _observe_outcome(self, st: SeqState, sampled: list[int]) -> None:
-        """What the verified outcome teaches: the calibration, a_p, the fast backup's rate."""
+        """What the verified outcome teaches: the calibration, a_p, the fast backup's rate
+        (also from its draft not sent: _shadow_fast)."""
         self.stats.note_outcome(st.source, len(sampled))
+        if st.shadow_fast is not None:
+            # the outcome shows the target's tokens up to its bonus: a shadow token judged
+            # wrong there is a rejection, one past them is not judged (as in AcceptanceFit)
+            m = _lcp(st.shadow_fast, sampled)
+            judged = m + 1 if m < min(len(sampled), len(st.shadow_fast)) else m
+            self.fast_acceptance.observe(m, judged)
+            self.stats.fast_shadowed += 1
+            st.shadow_fast = None
         if not st.spec:
             return
         if st.confidence is not None:
@@ -633,23 +650,41 @@ class DraftWorker:
             return Candidate(free=self._alphas(hit), cap=cap, fixed=fixed)
         if fresh and not fixed and self.cfg.async_:
             return Candidate(cap=0)
-        fast_ok = looked_up and not st.sampling.seeded and self.cfg.fallback != "neural"
+        fast_ok = looked_up and self._fast_allowed(st)
         free = (self.fast_acceptance.rate,) * self.K if fast_ok else ()
         neural = (self.acceptance.rate,) * self.K if not (fast_ok and self.cfg.fallback == "fast") else ()
         return Candidate(free=free, neural=neural, cap=cap, fixed=fixed)
+
+    def _fast_allowed(self, st: SeqState) -> bool:
+        """Whether a miss of this sequence may get the fast backup (config `fallback`; not
+        a seeded request, whose drafts must not depend on timing)."""
+        return self.cfg.async_ and not st.sampling.seeded and self.cfg.fallback != "neural"
 
     def _verify_cost(self) -> StepCost:
         """The line of the target's step this step verifies on: every core's in the
         lent_sd regime, its own cores' otherwise."""
         return self._lent_sd_lines()[0] if self._lent_sd else self.target_cost
 
+    def _verify_s(self, batch: int) -> Callable[[int], float]:
+        """The target's step time by tokens verified, as this step's plan weighs it: its
+        line (_verify_cost), except that in a lent_sd step a width of `batch` (nothing
+        sent) is plain decoding's on the lent cores, the step vLLM then takes and the
+        line SD on the lent cores was chosen against. Measured at batch 1 (MT-Bench,
+        T = 1): the lent_sd line, fitted on widths 2-4, put width 1 at 34 ms where plain
+        steps took 40, so the plan sent nothing in 97% of the lent_sd rounds, each a plain
+        step plus the draft's round trip (23.5 tok/s, plain decoding 24.3)."""
+        line = self._verify_cost().predict
+        if not self._lent_sd or not self.lent_cost.known:
+            return line
+        plain = self.lent_cost.predict
+        return lambda w: plain(w) if w <= batch else line(w)
+
     def _plan(self, cands: list[Candidate]):
         """The controller's plan; until the target's step time is known (the first rounds)
         every sequence sends what it can, as plain SD does."""
-        verify = self._verify_cost()
-        if not verify.known:
+        if not self._verify_cost().known:
             cands = [Candidate(c.free, c.neural, c.cap, True) for c in cands]
-        return choose_lengths(cands, verify.predict, self._draft_cost().predict)
+        return choose_lengths(cands, self._verify_s(len(cands)), self._draft_cost().predict)
 
     def _final_lengths(self, cands: list[Candidate], specs: dict[int, Speculation],
                        sources: dict[int, str], sunk: float) -> list[int]:
@@ -660,7 +695,7 @@ class DraftWorker:
             fixed = c.fixed or not self._verify_cost().known
             final.append(Candidate(free=self._source_alphas(specs[i], sources[i]), cap=c.cap,
                                    fixed=fixed))
-        return choose_lengths(final, self._verify_cost().predict, lambda rows: 0.0,
+        return choose_lengths(final, self._verify_s(len(cands)), lambda rows: 0.0,
                               sunk_s=sunk).lengths
 
     def _plain_s(self):
@@ -1145,7 +1180,7 @@ class DraftWorker:
         rows = set(neural)
         others = [Candidate(free=self._source_alphas(specs[i], sources[i]), cap=c.cap,
                             fixed=c.fixed) for i, c in enumerate(cands) if i not in rows]
-        verify, step_s = self._verify_cost().predict, self._draft_cost().predict(len(neural))
+        verify, step_s = self._verify_s(len(cands)), self._draft_cost().predict(len(neural))
         over = (self.lent_sd_overhead or 0.0) if self._lent_sd else 0.0
 
         def more(drafts: list[Speculation]) -> bool:
