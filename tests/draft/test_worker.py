@@ -485,7 +485,7 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     """_observe_round: a continuing round after a speculating call at the same batch size
     is measured; after an idle advice, a change of batch, or with a (re)synced sequence
     it is not; nor SSD's first round after a switch or a new request (_ssd_steps)."""
-    from vllm_saguaro.draft.worker import IdleAdvice
+    from vllm_saguaro.draft.regime import IdleAdvice
 
     w = worker(tiny_target, controller={"policy": "auto"})
     now = time.perf_counter()
@@ -565,7 +565,7 @@ def test_plain_decoding_on_the_lent_cores_is_probed_again_once_stale(tiny_target
     LENT_REPROBE_S (only the odd round measures it while speculating), it is probed
     again, and the old line weighs LENT_REPROBE_KEEP against the probe's rounds: a first
     probe in a cold engine (slow) does not hold plain decoding low for good."""
-    from vllm_saguaro.draft.worker import LENT_REPROBE_KEEP, LENT_REPROBE_S, IdleAdvice
+    from vllm_saguaro.draft.regime import LENT_REPROBE_KEEP, LENT_REPROBE_S, IdleAdvice
 
     w = lent_worker(tiny_target, regime="lent_sd")  # speculation (SD on the lent cores) chosen
     w._lent_sd_rate = lambda b, now, measured=True: 1e3
@@ -584,7 +584,7 @@ def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(ti
     1 token/s (5 tokens in the 5 s horizon); prefilling 100 tokens (0.1 s without the lent
     cores: under 1 token lost) is repaid, 2000 (2 s: 12-16 tokens lost) is not, and the
     draft idles; with a 5 tokens/s gain it is."""
-    from vllm_saguaro.draft.worker import IdleAdvice
+    from vllm_saguaro.draft.regime import IdleAdvice
 
     w = dear_draft(worker(tiny_target, controller={"policy": "auto"}))  # SSD's rate decides
     for _ in range(4):
@@ -700,7 +700,7 @@ def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     min_rounds steps at that batch size (its old measurement forgotten) even though the
     model is below plain decoding, then decides as before. Far below, the proposer's
     default recheck."""
-    from vllm_saguaro.draft.worker import CLOSE_RECHECK_S, CLOSE_SHARE, IdleAdvice
+    from vllm_saguaro.draft.regime import CLOSE_RECHECK_S, CLOSE_SHARE, IdleAdvice
 
     w = lent_worker(tiny_target, regime="auto")
     w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
@@ -886,7 +886,7 @@ def test_sending_nothing_in_a_lent_sd_step_costs_a_plain_step(tiny_target, hf):
 
 
 def test_the_fast_backup_is_measured_where_it_does_not_draft(tiny_target, hf):
-    """_shadow_fast: rows that did not send the fast backup's draft (SD on the lent
+    """SeqState.shadow_fast: rows that did not send the fast backup's draft (SD on the lent
     cores, neural misses, hits) still have it made, and their outcome judges it as far
     as it shows the target's tokens: a mismatch inside them is a rejection, a match up to
     the bonus a run of acceptances with nothing rejected (AcceptanceFit). Measured on
@@ -895,7 +895,7 @@ def test_the_fast_backup_is_measured_where_it_does_not_draft(tiny_target, hf):
     19-23 tok/s where SSD pinned ran 29-36 with that acceptance measured at 0.65-0.69.
     Not with `fallback: neural` (no fast backup to measure)."""
     from vllm_saguaro.core.fallback import ngram_draft
-    from vllm_saguaro.draft.worker import SeqState
+    from vllm_saguaro.draft.state import SeqState
 
     w = lent_worker(tiny_target, regime="lent_sd")
     w.cfg.fallback = "auto"

@@ -8,6 +8,14 @@ Round protocol (driven by the target side, see vllm_glue/proposer.py):
 In synchronous mode (``async: false``) prespeculate is never called: plain SD.
 The class is plain Python; draft/process_actor.py runs it in a process of its own (CPU),
 draft/ray_actor.py as a Ray actor (GPU), each on a device of its own.
+
+This file holds the round itself (step: commit the outcomes, look the next speculation
+up, draft the misses, reply) and what the outcomes teach. Its parts, one per file:
+  regime.py          how this round speculates: SSD, SD on the lent cores, or idle
+  lengths.py         each sequence's length 0..K and who drafts a miss (the controller)
+  drafting.py        the fallback's drafting and the draw, the draft's KV around them
+  prespeculation.py  glue pass, fork, tree decode (the paper's three steps)
+  state.py           what is held per sequence; the protocol's messages
 """
 from __future__ import annotations
 
@@ -16,44 +24,29 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
 
 import torch
 
 from vllm_saguaro.config import SaguaroConfig
-from vllm_saguaro.core.cache import Speculation, SpeculationCache
-from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
-                                          beats_plain, catch_up_pays, choose_lengths,
-                                          draft_more_pays, lent_sd_pays, lent_sd_worth,
-                                          speculation_pays)
+from vllm_saguaro.core.cache import Speculation
+from vllm_saguaro.core.controller import Candidate, RealizedRate, StepCost, choose_lengths
 from vllm_saguaro.core.fallback import ngram_draft
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.placement import omp_env, process_threads
-from vllm_saguaro.core.sampling import (SamplingSpec, counts_int16, draft_distribution,
-                                        quantize_distribution, wire_counts)
-from vllm_saguaro.core.selection import (AcceptanceCalibration, accepted_length_probs,
-                                         select_outcomes)
-from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
-from vllm_saguaro.draft.fork import fanout_roots, outcome_estimates
+from vllm_saguaro.core.sampling import SamplingSpec, counts_int16, wire_counts
+from vllm_saguaro.core.selection import AcceptanceCalibration
+from vllm_saguaro.draft.drafting import PREFILL_S_PER_TOKEN, Drafting, lcp
 from vllm_saguaro.draft.kv import PagedKVCache
+from vllm_saguaro.draft.lengths import LengthPlanning
 from vllm_saguaro.draft.linear import fp16_supported
 from vllm_saguaro.draft.model import DraftModel, check_draft_vocabulary
+from vllm_saguaro.draft.prespeculation import Prespeculation
+from vllm_saguaro.draft.regime import IdleAdvice, RegimeChoice
 from vllm_saguaro.draft.speculation_table import SpeculationTable, TableView
+from vllm_saguaro.draft.state import Result, SeqState, TargetStep, Update
 from vllm_saguaro.draft.stats import DraftStats
 from vllm_saguaro.draft.team import DraftTeam
-from vllm_saguaro.ops import saguaro_sample
-
-# (request id, tokens sampled this round or None, full token list on (re)sync or None,
-#  the request's SamplingSpec fields on (re)sync or None)
-Update = tuple[str, "list[int] | None", "list[int] | None", "tuple | None"]
-# (draft tokens, 0..K of them, hit flag, q as uint16 counts [len(tokens), head]
-#  (core/sampling.py) or None for greedy)
-Result = tuple[list[int], "bool | None", object]
-# A target step the proposer measured: (tokens it verified, seconds, whether it ran on the
-# draft's cores too: vllm_glue/lending.py[, whether it verified draft tokens])
-TargetStep = tuple[int, float, bool] | tuple[int, float, bool, bool]
 
 # Test-only fault injection. "unmodified_q": verify with the unmodified draft q instead of
 # the sigma the draft sampled from (the losslessness tests show they catch such a bug).
@@ -94,92 +87,9 @@ def worker_env(cores: list[int] | None, incarnation: int,
     return env
 
 
-# Windows longer than this (prefills, resyncs) run one sequence at a time, so that one
-# long prompt does not pad every other sequence of the batch to its length.
-_BATCHED_WINDOW = 64
-# The draft's prefill speed before it is measured (the reference draft on one CPU core:
-# 0.55 ms a token in a 16-prompt glue pass); a step of at least this many tokens measures it.
-PREFILL_S_PER_TOKEN = 5e-4
-PREFILL_MEASURE_TOKENS = 64
-
-
-# An idle decision against SD on the lent cores that its model puts within this share of
-# plain decoding is a close one: the proposer asks again after CLOSE_RECHECK_S rather
-# than its default 30 s, and the draft then tries it for a few rounds (_explore).
-CLOSE_SHARE = 0.1
-CLOSE_RECHECK_S = 10.0
-
-# Plain decoding on the lent cores is measured again (a probe, IdleAdvice.probe) at a
-# batch size where it was not probed for this long and speculation is chosen there, the
-# old line then weighed by LENT_REPROBE_KEEP: while SD on the lent cores or SSD runs,
-# only the odd round measures it (a new request's first, at batch 1). Measured at batch
-# 1 (T = 1): the first probe ran in the engine's warm-up and put plain decoding at 11
-# tok/s, 13-16 after, where plain vLLM ran 18, and SD on the lent cores at 17-20 was
-# taken as far ahead of it (0.94-0.95x plain vLLM).
-LENT_REPROBE_S = 30.0
-LENT_REPROBE_KEEP = 0.1
 # Rows a round whose fast-backup draft is made but not sent, to measure its acceptance
-# where it does not draft (_shadow_fast): ~0.05-0.15 ms each on the step's critical path
+# where it does not draft (SeqState.shadow_fast): ~0.05-0.15 ms each on the step's critical path
 SHADOW_ROWS = 4
-
-
-class IdleAdvice(NamedTuple):
-    """The draft may idle while the batch is larger than `limit`; `probe`: only to
-    measure plain decoding on the lent cores at this batch size, so ask again soon;
-    `recheck_s`: ask again after this long (None: the proposer's default); `new_text`:
-    ask again as soon as every request of the batch is one that joined since (what was
-    measured is of text that is gone)."""
-
-    limit: int
-    probe: bool
-    recheck_s: float | None = None
-    new_text: bool = False
-
-
-@dataclass
-class SeqState:
-    tokens: list[int]                       # verified tokens (prompt + output)
-    sampling: SamplingSpec = SamplingSpec()
-    kv_tokens: list[int] = field(default_factory=list)  # tokens whose KV is in the pool
-    spec: list[int] | None = None           # speculation sent, awaiting its outcome
-    cache: SpeculationCache | TableView | None = None  # outcomes pre-speculated for it
-    roots: frozenset | None = None          # the outcomes being pre-speculated (after fork)
-    source: str = "neural"                  # who drafted spec: "hit" (the cache), "neural",
-                                            # "fast"; "plain" = nothing sent
-    aborted: bool = False                   # its pre-speculation was cut short
-    confidence: list[float] | None = None   # the draft's confidence in each token of spec
-    shadow_fast: list[int] | None = None    # the fast backup's draft for this round, not
-                                            # sent: its acceptance measured all the same
-
-
-class _Draws:
-    """Each row's draft tokens, the draft's confidence in each (the controller's input) and,
-    for sampled rows, the q of each, grown step by step."""
-
-    def __init__(self, rows: int):
-        self.tokens: list[list[int]] = [[] for _ in range(rows)]
-        self.probs: list[list[torch.Tensor]] = [[] for _ in range(rows)]
-        self.conf: list[list[float | None]] = [[] for _ in range(rows)]
-
-    def add(self, chosen: list[int], qs: list[torch.Tensor | None],
-            conf: list[float | None]) -> None:
-        for t, p, cf, x, q, c in zip(self.tokens, self.probs, self.conf, chosen, qs, conf):
-            t.append(x)
-            cf.append(c)
-            if q is not None:
-                p.append(q)
-
-    def speculations(self) -> list[Speculation]:
-        return [Speculation(t, torch.stack(p) if p else None, c)
-                for t, p, c in zip(self.tokens, self.probs, self.conf)]
-
-
-def _lcp(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 def draft_weights(cfg: SaguaroConfig, device: torch.device, dtype: str) -> str:
@@ -191,7 +101,7 @@ def draft_weights(cfg: SaguaroConfig, device: torch.device, dtype: str) -> str:
     return "fp16" if auto and fp16_supported() else "none"
 
 
-class DraftWorker:
+class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
     def __init__(self, config: dict, target_vocab_size: int, bind: bool = True,
                  borrow: list[int] = ()):
         """borrow: the target's cores, where the team grows in lent_sd steps (the
@@ -446,19 +356,6 @@ class DraftWorker:
         # hit and miss rounds' waits are the proposer's to split (vllm_glue/metrics.py)
         return results, wait, done - t0 - wait, self._limit, self._lent_sd
 
-    def _draft_cost(self) -> StepCost:
-        """The draft step's line for this step's team (_lent_sd_lines in a lent_sd step)."""
-        return self._lent_sd_lines()[1] if self._lent_sd else self.draft_cost
-
-    def _lent_sd_lines(self) -> tuple[StepCost, StepCost]:
-        """SD on the lent cores' lines, (verification, draft step): their own once
-        measured, else plain decoding's on the lent cores and the draft's on its own
-        cores (the higher cost)."""
-        verify = self.lent_sd_cost if self.lent_sd_cost.known else self.lent_cost
-        draft = (self.borrowed_draft_cost if self.team.borrows and self.borrowed_draft_cost.known
-                 else self.draft_cost)
-        return verify, draft
-
     def _inject_fault(self) -> None:
         """Test-only (FAULT_ENV): die, raise or hang in the N-th step()."""
         kind, _, at = self.fault.partition("_at_step:")
@@ -598,12 +495,12 @@ class DraftWorker:
 
     def _observe_outcome(self, st: SeqState, sampled: list[int]) -> None:
         """What the verified outcome teaches: the calibration, a_p, the fast backup's rate
-        (also from its draft not sent: _shadow_fast)."""
+        (also from its draft not sent: SeqState.shadow_fast)."""
         self.stats.note_outcome(st.source, len(sampled))
         if st.shadow_fast is not None:
             # the outcome shows the target's tokens up to its bonus: a shadow token judged
             # wrong there is a rejection, one past them is not judged (as in AcceptanceFit)
-            m = _lcp(st.shadow_fast, sampled)
+            m = lcp(st.shadow_fast, sampled)
             judged = m + 1 if m < min(len(sampled), len(st.shadow_fast)) else m
             self.fast_acceptance.observe(m, judged)
             self.stats.fast_shadowed += 1
@@ -616,327 +513,6 @@ class DraftWorker:
             self.fast_acceptance.observe(len(sampled) - 1, len(st.spec))
         else:
             self.acceptance.observe(len(sampled) - 1, len(st.spec))
-
-    def _source_alphas(self, spec: Speculation, source: str) -> tuple[float, ...]:
-        """_alphas by who drafted it: the fast backup's tokens at its own rate."""
-        if source == "fast":
-            return (self.fast_acceptance.rate,) * len(spec.tokens)
-        return () if source == "plain" else self._alphas(spec)
-
-    def _alphas(self, spec: Speculation) -> tuple[float, ...]:
-        """P(accept) of each token of a drafted speculation: its calibrated confidence where
-        one was recorded (not after the first token of a sampled one: see
-        core/controller.py on losslessness), a_p elsewhere."""
-        a_p = self.acceptance.rate
-        conf = spec.confidence or [None] * len(spec.tokens)
-        return tuple(a_p if c is None else self.calibration.rate(c) for c in conf)
-
-    def _candidate(self, i: int, rid: str, hit: Speculation | None, looked_up: bool,
-                   fresh: bool) -> Candidate:
-        """Sequence i's options: a hit's tokens (free); for a miss the fast backup (free, if
-        allowed) and the neural fallback. A new or resynced sequence sends nothing in its
-        first round under the auto policy: drafting it now would put the draft's prefill
-        of its whole context on the critical path, while the pre-speculation of its k = 0
-        outcomes does that prefill off it (and usually makes its next round a hit). With K
-        pinned it gets the neural backup, as do seeded sampled requests: a seeded request
-        reproduces only if its drafts and lengths do not depend on timing (it sends K
-        tokens every round)."""
-        st, ctl = self.seqs[rid], self.cfg.controller
-        fixed = ctl.policy == "fixed" or st.sampling.seeded
-        cap = self._cap
-        if ctl.force_lengths is not None:
-            cap, fixed = min(cap, ctl.force_lengths[(i + self._round) % len(ctl.force_lengths)]), True
-        if hit is not None:
-            return Candidate(free=self._alphas(hit), cap=cap, fixed=fixed)
-        if fresh and not fixed and self.cfg.async_:
-            return Candidate(cap=0)
-        fast_ok = looked_up and self._fast_allowed(st)
-        free = (self.fast_acceptance.rate,) * self.K if fast_ok else ()
-        neural = (self.acceptance.rate,) * self.K if not (fast_ok and self.cfg.fallback == "fast") else ()
-        return Candidate(free=free, neural=neural, cap=cap, fixed=fixed)
-
-    def _fast_allowed(self, st: SeqState) -> bool:
-        """Whether a miss of this sequence may get the fast backup (config `fallback`; not
-        a seeded request, whose drafts must not depend on timing)."""
-        return self.cfg.async_ and not st.sampling.seeded and self.cfg.fallback != "neural"
-
-    def _verify_cost(self) -> StepCost:
-        """The line of the target's step this step verifies on: every core's in the
-        lent_sd regime, its own cores' otherwise."""
-        return self._lent_sd_lines()[0] if self._lent_sd else self.target_cost
-
-    def _verify_s(self, batch: int) -> Callable[[int], float]:
-        """The target's step time by tokens verified, as this step's plan weighs it: its
-        line (_verify_cost), except that in a lent_sd step a width of `batch` (nothing
-        sent) is plain decoding's on the lent cores, the step vLLM then takes and the
-        line SD on the lent cores was chosen against. Measured at batch 1 (MT-Bench,
-        T = 1): the lent_sd line, fitted on widths 2-4, put width 1 at 34 ms where plain
-        steps took 40, so the plan sent nothing in 97% of the lent_sd rounds, each a plain
-        step plus the draft's round trip (23.5 tok/s, plain decoding 24.3)."""
-        line = self._verify_cost().predict
-        if not self._lent_sd or not self.lent_cost.known:
-            return line
-        plain = self.lent_cost.predict
-        return lambda w: plain(w) if w <= batch else line(w)
-
-    def _plan(self, cands: list[Candidate]):
-        """The controller's plan; until the target's step time is known (the first rounds)
-        every sequence sends what it can, as plain SD does."""
-        if not self._verify_cost().known:
-            cands = [Candidate(c.free, c.neural, c.cap, True) for c in cands]
-        return choose_lengths(cands, self._verify_s(len(cands)), self._draft_cost().predict)
-
-    def _final_lengths(self, cands: list[Candidate], specs: dict[int, Speculation],
-                       sources: dict[int, str], sunk: float) -> list[int]:
-        """With the tokens in hand (the fallback's cost now spent), the lengths once more:
-        a drafted token the draft turned out unsure of is not worth verifying."""
-        final = []
-        for i, c in enumerate(cands):
-            fixed = c.fixed or not self._verify_cost().known
-            final.append(Candidate(free=self._source_alphas(specs[i], sources[i]), cap=c.cap,
-                                   fixed=fixed))
-        return choose_lengths(final, self._verify_s(len(cands)), lambda rows: 0.0,
-                              sunk_s=sunk).lengths
-
-    def _plain_s(self):
-        """Plain decoding's step time with the draft's cores lent to the target, at the
-        batch sizes it has run so (measured: the gain differs by width, and was found
-        small at batch 1), the target's own elsewhere; None without lending."""
-        if self.lent_cost is None or not self.lent_widths or not self.target_cost.known:
-            return None
-        lent, own, seen = self.lent_cost.predict, self.target_cost.predict, self.lent_widths
-        return lambda w: min(lent(w), own(w)) if w in seen else own(w)
-
-    def _beats_lent_plain(self, plan, batch: int) -> bool:
-        """Speculating this step must beat plain decoding on every core (when the
-        draft's cores can be lent to the target)."""
-        if (not sum(plan.lengths) or self.cfg.controller.force_lengths is not None
-                or self._lent_sd):  # lent_sd: the plan's own line is plain decoding's
-            return True
-        plain_s = self._plain_s()
-        if self._ssd_measured_ahead(batch, plain_s):
-            return True  # measured ahead: the model that put it behind is overruled
-        return beats_plain(plan, batch, plain_s)
-
-    def _observe_round(self, updates: list[Update], now: float,
-                       target_s: float | None = None) -> None:
-        """The last round's realized rate (RealizedRate): the tokens this call commits over
-        the time since the last call, when that call speculated at the same batch size
-        and every sequence continues (no new or resynced one: a prefill round). Runs
-        before this call's idle decision: self._limit is still the last call's. For a
-        round of SD on the lent cores, also what it cost beyond the target's step
-        (target_s, measured by the proposer) and the draft's forwards: lent_sd_overhead.
-        Measured at batch 4: the round's wait on the draft was 19 ms where its forwards
-        took 10 (this worker's planning and replies, the round trip); without it the
-        model expected SD on the lent cores at 1.1x plain decoding where it gave 0.85x."""
-        last = self._last_call
-        if (last is None or self._limit is not None or last[1] != len(updates)
-                or any(full is not None or not sampled for _, sampled, full, _ in updates)):
-            return
-        if not last[2] and self._ssd_steps < 2:
-            return  # SSD's first round after a switch or a new request (_ssd_steps)
-        realized = self.lent_sd_realized if last[2] else self.realized
-        realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates), now - last[0], now)
-        if not last[2]:
-            return
-        plain_s, gave = self._plain_s(), self.lent_sd_realized.rate(last[1], now)
-        if plain_s is not None and gave is not None:
-            # paid: by the margin it is taken up with (lent_sd_worth; on a 2-core Xeon,
-            # where it gave plain decoding's rate at batch 4 give or take noise, a mere
-            # lead there made the close recheck try it again and again: 0.89-0.93x plain
-            # vLLM); no longer, once it gave less than plain decoding
-            plain = target_alone_rate(last[1], plain_s)
-            if lent_sd_worth(gave, continuing=False) > plain:
-                self.lent_sd_paid.add(last[1])
-                self.lent_sd_ever_paid.add(last[1])
-            elif gave < plain:
-                self.lent_sd_paid.discard(last[1])
-        if self._lent_sd_steps >= 2 and target_s is not None:
-            # not the first round after SSD's: measured, 40 ms more than the next ones
-            # (the team's first turn on the borrowed cores, the verification's first
-            # widths on the lent ones), which alone held SD on the lent cores off
-            over = max(0.0, now - last[0] - target_s - self._last_draft_s)
-            self.lent_sd_overhead = (over if self.lent_sd_overhead is None
-                                     else 0.9 * self.lent_sd_overhead + 0.1 * over)
-
-    def _catch_up_tokens(self, updates: list[Update]) -> int:
-        """Tokens the draft must prefill before it can speculate on this batch: those of
-        new or resynced sequences beyond the KV it still holds for them."""
-        n = 0
-        for rid, _, full, _ in updates:
-            if full is not None:
-                st = self.seqs.get(rid)
-                n += len(full) - (_lcp(st.kv_tokens, full) if st is not None else 0)
-        return n
-
-    def _idle_limit(self, batch: int, catch_up_tokens: int = 0) -> IdleAdvice | None:
-        """If speculation's expected rate (core/theory.py with the fitted a_p, the hit
-        rate, the measured costs; the best K up to the cap) does not beat plain decoding
-        at this batch size, the largest batch size at which it would: this step sends
-        nothing, and the proposer leaves the draft idle (and lends its cores) while the
-        batch is larger. None: speculate as the plan says.
-
-        Plain decoding on the lent cores is only known where it ran, so the first time a
-        batch size is found worth speculating on, the draft idles there for a few rounds
-        anyway (a probe) and the next call decides with that measurement. Where the
-        draft must first prefill the batch (catch_up_tokens) while the target loses the
-        lent cores, speculation's expected gain must pay that back (catch_up_pays)."""
-        ctl = self.cfg.controller
-        if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
-                or not self.target_cost.known or not batch or self._explore > 0):
-            return None  # (_explore: trying SD on the lent cores after a close idle)
-        plain = self._plain_s() or self.target_cost.predict
-        now = time.perf_counter()
-
-        def rate(b: int) -> float:  # the better way to speculate at b
-            lent_sd = self._lent_sd_worth(b, now)
-            return max(self._ssd_rate(b, now), 0.0 if lent_sd is None else lent_sd)
-
-        limit = batch_limit(rate, plain, max_batch=batch)
-        if limit < batch:
-            return self._close_idle(limit, batch, plain)
-        if self.lent_cost is not None and self._probe_due(batch, now):
-            if batch in self.lent_widths:  # measured before: the probe's rounds decide
-                self.lent_cost.discount(LENT_REPROBE_KEEP)
-            self._probed[batch] = now
-            self.stats.lent_probes += 1
-            return IdleAdvice(batch - 1, probe=True)
-        if catch_up_tokens and self.lent_cost is not None and self.lent_cost.known:
-            # on the lent cores' line also at a batch size it was not measured at: the
-            # batch grows and shrinks through sizes plain decoding ran at only briefly
-            own = self.target_cost.predict(batch)
-            lent = min(self.lent_cost.predict(batch), own)
-            gain = rate(batch) - batch / max(lent, 1e-9)
-            lost = batch / max(lent, 1e-9) - batch / max(own, 1e-9)
-            if not catch_up_pays(gain, catch_up_tokens * self.prefill_s_per_token, lost):
-                self.stats.catch_up_idles += 1
-                return IdleAdvice(batch - 1, probe=False)
-        return None
-
-    def _probe_due(self, batch: int, now: float) -> bool:
-        """Plain decoding on the lent cores is to be measured at this batch size: never
-        measured nor probed, or measured but not probed for LENT_REPROBE_S."""
-        if batch not in self._probed:
-            return batch not in self.lent_widths or now - self._started > LENT_REPROBE_S
-        return now - self._probed[batch] > LENT_REPROBE_S
-
-    def _close_idle(self, limit: int, batch: int, plain_s) -> IdleAdvice:
-        """The idle, and when to ask again where it is a close one: SD on the lent cores'
-        model puts it within CLOSE_SHARE of plain decoding (what it gave, or the entry
-        margin, held it off). Text moves on, and while idle nothing measures it.
-
-        After CLOSE_RECHECK_S where it has paid before (lent_sd_paid). Measured at batch
-        1 (HumanEval after MT-Bench on one engine): a prompt whose drafts were rejected
-        for a few dozen rounds put what it gave 9% below plain decoding, and the draft
-        idled for the next 30 s, the rest of the set, where it had run 1.15x on
-        MT-Bench. Not where it never paid: at batch 4 the model puts it at 0.98x plain
-        decoding, and each try would first prefill 10 s of the batch's tokens on the
-        draft's core.
-
-        On new text where it ever paid (lent_sd_ever_paid): what held it off measured
-        requests that are gone. Measured at batch 1: after that HumanEval prompt had
-        put it below plain decoding (no longer paid), the draft idled through the rest
-        of the set while the model still put it at 28.6 tok/s against 26.5."""
-        expected = self._lent_sd_rate(batch, time.perf_counter(), measured=False)
-        if expected is None or expected < (1.0 - CLOSE_SHARE) * batch / max(plain_s(batch), 1e-9):
-            return IdleAdvice(limit, probe=False)
-        return IdleAdvice(limit, probe=False,
-                          recheck_s=CLOSE_RECHECK_S if batch in self.lent_sd_paid else None,
-                          new_text=batch in self.lent_sd_ever_paid)
-
-    def _wake(self, batch: int) -> None:
-        """The first step after a close idle (IdleAdvice.recheck_s or new_text): try SD
-        on the lent cores for as many steps as its measurement needs (min_rounds), by
-        the model alone (its stale measurement forgotten, no entry margin), so that the
-        next decision sees the text running now."""
-        if self._limit is not None and (self._limit.recheck_s is not None or self._limit.new_text):
-            self.lent_sd_realized.forget(batch)
-            self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
-            self.stats.lent_sd_explores += 1
-        elif self._explore > 0:  # another batch size: its own decision
-            self._explore = self._explore - 1 if batch == self._explore_batch else 0
-
-    def _any_new(self, updates: list[Update]) -> bool:
-        """A new or resynced sequence in the batch (its prompt for the draft to prefill)."""
-        return any(full is not None or rid not in self.seqs for rid, _, full, _ in updates)
-
-    def _ssd_measured_ahead(self, batch: int, plain_s) -> bool:
-        """SSD measured (RealizedRate.bounds) surely above plain decoding (plain_s: its
-        step time, None without lent cores) at this batch size: the plan's model, which
-        held it behind, is overruled."""
-        b = None if plain_s is None else self.realized.bounds(batch, time.perf_counter())
-        return b is not None and b[0] > batch / max(plain_s(batch), 1e-9)
-
-    def _ssd_rate(self, batch: int, now: float) -> float:
-        """SSD's rate at this batch size: the model's, clamped to what it was measured
-        to give (RealizedRate.clamp; 0 when the regime is pinned to lent_sd)."""
-        if self.cfg.controller.regime == "lent_sd" and self.lent_cost is not None:
-            return 0.0
-        return self.realized.clamp(self._expected_rate(batch), batch, now)
-
-    def _lent_sd_rate(self, batch: int, now: float, measured: bool = True) -> float | None:
-        """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with its
-        lines, _lent_sd_lines, and the round's overhead, the best K up to the cap),
-        clamped to what it was measured to give (RealizedRate.clamp; `measured`, else
-        the model's alone). None where it is no option (no lent cores, regime ssd) or not
-        known yet (the lent cores or the draft's step not measured)."""
-        if (self.lent_cost is None or self.cfg.controller.regime == "ssd"
-                or not self.lent_cost.known or not self.draft_cost.known):
-            return None
-        verify, draft = self._lent_sd_lines()
-        a, over = self.acceptance.rate, self.lent_sd_overhead or 0.0
-        expected = max((sd_rate(a, k, batch, verify.predict, draft.predict, overhead_s=over)
-                        for k in range(1, self._cap + 1)), default=0.0)
-        return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
-
-    def _lent_sd_worth(self, batch: int, now: float) -> float | None:
-        """_lent_sd_rate as the choice weighs it: discounted unless the last step was SD
-        on the lent cores already (core/controller.py lent_sd_worth)."""
-        return lent_sd_worth(self._lent_sd_rate(batch, now),
-                             continuing=self._lent_sd_steps > 0 or self._explore > 0)
-
-    def _lent_sd_step(self, updates: list[Update]) -> bool:
-        """Whether this step is SD on the lent cores (controller.regime; auto: where it is
-        expected faster than SSD, lent_sd_pays). Never with a new or resynced sequence in
-        the batch: its prompt goes through the draft in the glue pass of a pre-speculation
-        (_catch_up_glue), off the critical path, where SD would draft it on it."""
-        regime = self.cfg.controller.regime
-        if self.lent_cost is None or regime == "ssd" or not updates:
-            return False
-        if self._any_new(updates):
-            return False
-        if regime == "lent_sd":
-            return True
-        now = time.perf_counter()
-        lent_sd = self._lent_sd_worth(len(updates), now)
-        if lent_sd is None or not self.target_cost.known:  # SSD's rounds measure it first
-            return False
-        return lent_sd_pays(self._ssd_rate(len(updates), now), lent_sd)
-
-    def _expected_rate(self, batch: int) -> float:
-        """Tokens per second speculation is expected to give at this batch size."""
-        a, t, d = self.acceptance.rate, self.target_cost.predict, self.draft_cost.predict
-        ks = range(1, self._cap + 1)
-        if not self.cfg.async_:
-            return max((sd_rate(a, k, batch, t, d) for k in ks), default=0.0)
-        # the backups a miss may get (None: the neural one): config `fallback`
-        fast = {"neural": [None], "fast": [self.fast_acceptance.rate],
-                "auto": [None, self.fast_acceptance.rate]}[self.cfg.fallback]
-        return max((ssd_rate(a, k, self.hit_rate, batch, t, d, a_fast=f) for k in ks for f in fast),
-                   default=0.0)
-
-    def _prespeculation_pays(self, batch: int) -> bool:
-        """Pre-speculate only what the next step could use: with the fitted a_p, would any
-        of the batch's cached tokens be sent? (On CPU an unused pre-speculation still takes
-        the memory bus from the target.)"""
-        ctl = self.cfg.controller
-        if ctl.policy != "auto" or ctl.force_lengths is not None or not self.target_cost.known:
-            return True
-        plain_s = self._plain_s()
-        if self._ssd_measured_ahead(batch, plain_s):
-            return True  # measured ahead: the model that put it behind is overruled
-        hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
-        return speculation_pays([hit] * batch, self.target_cost.predict, plain_s)
 
     def _table_lookups(self, updates: list[Update]) -> dict[str, Speculation | None]:
         """The verified outcomes of every sequence whose branches are on the table, matched
@@ -999,346 +575,18 @@ class DraftWorker:
         return self.held()
 
     # ----------------------------------------------------------------- passes
-    def _sync(self, rid: str, tokens: list[int], sampling: SamplingSpec) -> None:
-        """(Re)start a sequence from the target's tokens, keeping KV of the common prefix."""
-        self.stats.syncs += 1
-        st = self.seqs.get(rid) or SeqState(tokens=[])
-        st.tokens, st.spec, st.cache, st.sampling = list(tokens), None, None, sampling
-        st.source = "neural"
-        self.seqs[rid] = st
-        self._keep_kv(rid, tokens)
 
-    def _keep_kv(self, rid: str, tokens: list[int], limit: int | None = None) -> None:
-        """Roll the pool back to the prefix it shares with `tokens` (at most `limit`)."""
-        st = self.seqs[rid]
-        n = _lcp(st.kv_tokens, tokens)
-        if limit is not None:
-            n = min(n, limit)
-        self.kv.truncate(rid, n)
-        del st.kv_tokens[n:]
 
-    def _extend(self, rids: list[str], windows: list[list[int]]) -> list[torch.Tensor]:
-        """Run each window after its sequence's KV, append the KV; per-seq hidden [T_i, H]."""
-        out: list[torch.Tensor | None] = [None] * len(rids)
-        short = [i for i, w in enumerate(windows) if len(w) <= _BATCHED_WINDOW]
-        groups = [short] if short else []
-        groups += [[i] for i, w in enumerate(windows) if len(w) > _BATCHED_WINDOW]
-        for group in groups:
-            g_rids = [rids[i] for i in group]
-            g_win = [windows[i] for i in group]
-            hidden = self._extend_batch(g_rids, g_win)
-            for j, i in enumerate(group):
-                out[i] = hidden[j, : len(windows[i])]
-        return out  # type: ignore[return-value]
 
-    def _extend_batch(self, rids: list[str], windows: list[list[int]]) -> torch.Tensor:
-        n, t = len(rids), max(len(w) for w in windows)
-        ctx, lens = self.kv.gather(rids)
-        lc = ctx[0][0].shape[2]
-        ids = torch.zeros(n, t, dtype=torch.long)
-        for i, w in enumerate(windows):
-            ids[i, : len(w)] = torch.tensor(w)
-        ar = torch.arange(t)
-        positions = lens[:, None] + ar[None, :]
-        ctx_mask = torch.arange(lc)[None, None, :] < lens[:, None, None]          # [N, 1, Lc]
-        ctx_mask = ctx_mask.expand(n, t, lc)
-        new_mask = (ar[None, :] <= ar[:, None])[None].expand(n, t, t)           # causal
-        mask = torch.cat([ctx_mask, new_mask], dim=2)[:, None].to(self.device)
-        t0 = time.perf_counter()
-        hidden, new_kv = self.model.forward(ids.to(self.device), positions.to(self.device), mask,
-                                            context=ctx if lc else None)
-        counts = [len(w) for w in windows]
-        if sum(counts) >= PREFILL_MEASURE_TOKENS:  # a prefill: its speed, for _idle_limit
-            per = (time.perf_counter() - t0) / sum(counts)
-            self.prefill_s_per_token = 0.7 * self.prefill_s_per_token + 0.3 * per
-            self.stats.prefill_s_per_token = self.prefill_s_per_token
-        self.kv.append(rids, counts, new_kv)
-        for rid, w in zip(rids, windows):
-            self.seqs[rid].kv_tokens.extend(w)
-        return hidden
 
-    def _choose(self, rids: list[str], hidden: torch.Tensor, step: int,
-                origins: list[tuple[int, int]]
-                ) -> tuple[list[int], list[torch.Tensor | None], list[float | None]]:
-        """The next draft token of each row (row i belongs to sequence rids[i]), its q and
-        the draft's confidence in it.
 
-        Greedy requests take the argmax. Sampled ones draw from q = sigma_{F,C} of the
-        tempered, top-k/top-p-masked draft distribution, F being the fan-out at `step`
-        (the position where a rejection of this token would fork), and return q too.
-        Confidence (what the controller calibrates): p_d(token) at greedy; for a sampled
-        request only at step 0, and then the expected acceptance sum(min(p_d, q)), which
-        does not depend on the token drawn (core/controller.py: losslessness).
 
-        A seeded request draws each row from a generator keyed by (seed, origin, step),
-        origin = (verified length, last verified token) the speculation starts from. A
-        cached branch and the fallback for the same outcome thus draw alike, so a seeded
-        request's output does not depend on whether the cache hit (which depends on
-        timing). A speculation that gets verified is the only draw with its key, so it is
-        distributed as q given everything verified before it.
-        """
-        logits = self.model.logits(hidden)
-        top = torch.softmax(logits, dim=-1).max(dim=-1)
-        choice = top.indices
-        conf: list[float | None] = top.values.tolist()
-        qs: list[torch.Tensor | None] = [None] * len(rids)
-        sampled = [i for i, rid in enumerate(rids) if not self.seqs[rid].sampling.greedy]
-        if self.use_ops and sampled:  # every sampled row in one op, each with its own draw
-            q_ops = self._sample_with_ops(logits, rids, sampled, step, origins, choice)
-        # One batched draw per group: unseeded requests with the same parameters share
-        # one; a seeded request's rows draw one by one from keyed generators.
-        groups: dict[tuple, list[int]] = {}
-        for i in sampled:
-            sampling = self.seqs[rids[i]].sampling
-            groups.setdefault((sampling, sampling.seeded), []).append(i)
-        for (sampling, seeded), rows in groups.items():
-            idx = torch.tensor(rows)
-            fan = torch.full((len(rows),), self.fanout[step])
-            if self.use_ops:
-                q = q_ops[[sampled.index(r) for r in rows]]
-            else:  # the exact q the verifier is told (sent as counts, core/sampling.py)
-                q = quantize_distribution(draft_distribution(logits[idx], sampling, fan,
-                                                             self.saguaro_c))
-                if seeded:
-                    for r, row in enumerate(rows):
-                        gen = torch.Generator().manual_seed(
-                            self._seed_key(sampling, origins[row], step))
-                        choice[row] = torch.multinomial(q[r], 1, generator=gen)[0]
-                else:
-                    choice[idx] = torch.multinomial(q, 1, generator=self.generator)[:, 0]
-            expected = [None] * len(rows)
-            if step == 0:
-                p_d = draft_distribution(logits[idx], sampling._replace(seed=None), fan, 1.0)
-                expected = torch.minimum(p_d, q.to(p_d.device)).sum(-1).tolist()
-            if self.fault == "unmodified_q":
-                q = quantize_distribution(draft_distribution(logits[idx], sampling, fan, 1.0))
-            for r, row in enumerate(rows):
-                qs[row], conf[row] = q[r], expected[r]
-        return self.model.token_ids(choice).tolist(), qs, conf
 
-    @staticmethod
-    def _seed_key(sampling: SamplingSpec, origin: tuple[int, int], step: int) -> int:
-        """A seeded row's draw: keyed by (seed, origin, step), see _choose."""
-        return hash((sampling.seed, *origin, step)) & 0x7FFFFFFFFFFFFFFF
 
-    def _sample_with_ops(self, logits: torch.Tensor, rids: list[str], rows: list[int],
-                         step: int, origins: list[tuple[int, int]], choice: torch.Tensor
-                         ) -> torch.Tensor:
-        """ops.saguaro_sample for the sampled rows: sets their tokens in `choice`, returns
-        their q [len(rows), head]. Each row draws from a hash of its seed (ops/keys.py):
-        the keyed one for seeded requests, one from the worker's generator otherwise."""
-        specs = [self.seqs[rids[i]].sampling for i in rows]
-        seeds = torch.randint(-2**63, 2**63 - 1, (len(rows),), generator=self.generator)
-        for r, (sp, i) in enumerate(zip(specs, rows)):
-            if sp.seeded:
-                seeds[r] = self._seed_key(sp, origins[i], step)
-        dev = logits.device
-        tokens, q = saguaro_sample(
-            logits[torch.tensor(rows, device=dev)],
-            torch.tensor([sp.temperature for sp in specs], device=dev),
-            torch.tensor([sp.top_k for sp in specs], device=dev),
-            torch.tensor([sp.top_p for sp in specs], device=dev),
-            torch.full((len(rows),), self.fanout[step], device=dev),
-            self.saguaro_c, seeds.to(dev))
-        choice[torch.tensor(rows, device=choice.device)] = tokens.to(choice.device)
-        self.stats.ops_rows += len(rows)
-        return q.cpu()
 
-    def _draft_now(self, rids: list[str], steps: int | None = None,
-                   more: Callable[[list[Speculation]], bool] | None = None) -> list[Speculation]:
-        """Neural fallback = ordinary SD drafting of `steps` (K) tokens, on the critical
-        path; then one more while more(the drafts so far) says so, up to K."""
-        windows = []
-        for rid in rids:
-            st = self.seqs[rid]
-            self._keep_kv(rid, st.tokens, limit=len(st.tokens) - 1)
-            windows.append(st.tokens[len(st.kv_tokens):])
-        hidden = [h[-1] for h in self._extend(rids, windows)]
-        draws = _Draws(len(rids))
-        origins = [(len(self.seqs[r].tokens), self.seqs[r].tokens[-1]) for r in rids]
-        planned = self.K if steps is None else steps
-        step = 0
-        while step < planned or (more is not None and 0 < step < self.K
-                                 and more(draws.speculations())):
-            if step:
-                hidden = [h[-1] for h in self._extend(rids, [[t[-1]] for t in draws.tokens])]
-            draws.add(*self._choose(rids, torch.stack(hidden), step, origins))
-            step += 1
-        return draws.speculations()
 
-    def _draft_more(self, cands: list[Candidate], neural: list[int],
-                    specs: dict[int, Speculation], sources: dict[int, str], t0: float):
-        """The fallback's `more` (_draft_now): one more step where it raises the batch's
-        expected rate (core/controller.py draft_more_pays), each drafting row's next
-        token guessed as likely to be accepted as its last (calibrated confidence; a
-        sampled row's is not its draw's: a_p after the first, as losslessness needs).
-        None under a pinned K or for seeded rows (their lengths must not vary)."""
-        ctl = self.cfg.controller
-        if (ctl.policy != "auto" or ctl.force_lengths is not None
-                or any(cands[i].fixed for i in neural)):
-            return None
-        rows = set(neural)
-        others = [Candidate(free=self._source_alphas(specs[i], sources[i]), cap=c.cap,
-                            fixed=c.fixed) for i, c in enumerate(cands) if i not in rows]
-        verify, step_s = self._verify_s(len(cands)), self._draft_cost().predict(len(neural))
-        over = (self.lent_sd_overhead or 0.0) if self._lent_sd else 0.0
 
-        def more(drafts: list[Speculation]) -> bool:
-            now, nxt = list(others), list(others)
-            for i, d in zip(neural, drafts):
-                a = self._alphas(d)
-                now.append(Candidate(free=a, cap=min(len(a), cands[i].cap)))
-                longer = a + a[-1:] if len(a) < cands[i].cap else a
-                nxt.append(Candidate(free=longer, cap=min(len(longer), cands[i].cap)))
-            spent = time.perf_counter() - t0 + over
-            return nxt != now and draft_more_pays(now, nxt, verify, step_s, spent)
-        return more
 
-    def prespeculate(self) -> None:
-        """Glue, fork and tree-decode for every sequence with a speculation in flight."""
-        with self._lock:
-            self.team.use(False)  # the target verifies meanwhile, on its own cores
-            self._abort.clear()
-            self._prespeculate()
 
-    def _prespeculate(self) -> None:
-        rids = [r for r, st in self.seqs.items() if st.spec is not None and st.cache is None]
-        if not rids:
-            return
-        if not self._prespeculation_pays(len(rids)):
-            self.stats.prespec_skipped += 1
-            self._catch_up_glue(rids)
-            return
-        self.stats.prespec_runs += 1
-        self._prespec_pending = True
-        if self.table is not None:  # the branches still waiting for their outcome stay
-            self.table.retain([r for r, st in self.seqs.items()
-                               if isinstance(st.cache, TableView)])
-        t0 = time.perf_counter()
-        hidden = self._glue(rids)
-        roots = self._fork(rids, hidden)
-        t1 = time.perf_counter()
-        self.stats.glue_s += t1 - t0
-        drafted = self._tree_decode(rids, roots)
-        self.stats.tree_s += time.perf_counter() - t1
-        self.stats.prespec_s += time.perf_counter() - t0
-        if drafted is None:
-            self.stats.aborted += 1
-            for rid in rids:
-                self.seqs[rid].aborted = True
-            return
-        self.stats.prespec_done += 1
-        for rid, branches, specs in zip(rids, roots, drafted):
-            outcomes = [Outcome(j, x) for j, x in branches]
-            if self.table is not None:
-                self.table.put(rid, outcomes, specs)
-                cache = TableView(self.table, rid, len(outcomes))
-            else:
-                cache = SpeculationCache({o: spec for o, spec in zip(outcomes, specs)})
-            self.seqs[rid].cache = cache
-            self.stats.branches += len(branches)
 
-    def _catch_up_glue(self, rids: list[str]) -> None:
-        """The glue pass alone for the sequences whose KV is far behind (new or resynced:
-        a prompt to prefill), where SD on the lent cores may follow: it drafts on the
-        critical path, so their prefill goes here, off it, while the target decodes on
-        its own cores (at the draft's ~0.5 ms a token on one core, PREFILL_S_PER_TOKEN, a
-        200-token prompt is ~100 ms: a few % of a short request's decode)."""
-        if self.lent_cost is None or self.cfg.controller.regime == "ssd":
-            return
-        behind = [r for r in rids
-                  if len(self.seqs[r].tokens) - len(self.seqs[r].kv_tokens) > self.K + 1]
-        if behind:
-            self.stats.catch_up_glues += 1
-            self._glue(behind)
 
-    def _glue(self, rids: list[str]) -> list[torch.Tensor]:
-        """Glue pass: run the speculation in flight (after the last verified token) into
-        the KV, so every outcome's branch can start from it; hidden states of its
-        m + 1 positions per sequence."""
-        windows = []
-        for rid in rids:
-            st = self.seqs[rid]
-            glue = st.tokens + st.spec
-            self._keep_kv(rid, glue, limit=len(st.tokens) - 1)
-            windows.append(glue[len(st.kv_tokens):])
-        return [h[-(len(self.seqs[r].spec) + 1):] for r, h in zip(rids, self._extend(rids, windows))]
-
-    def _fork(self, rids: list[str], hidden: list[torch.Tensor]) -> list[list[tuple[int, int]]]:
-        """Fork: the outcomes (k, bonus) to pre-speculate for each sequence. Position j
-        predicts the token after t*_prev, s_1..s_j; its likely tokens other than s_{j+1}
-        are the bonus tokens bet on for outcome k = j."""
-        logits = [self.model.logits(h) for h in hidden]
-        if self.cfg.fanout.policy == "probable":
-            roots = self._probable_roots(rids, logits)
-        else:
-            roots = [fanout_roots(self.model, self.seqs[r].spec, lg, self.fanout,
-                                  use_op=self.use_ops) for r, lg in zip(rids, logits)]
-            if self.use_ops:
-                self.stats.ops_forks += sum(len(self.seqs[r].spec) + 1 for r in rids)
-        for rid, branches in zip(rids, roots):
-            self.seqs[rid].roots = frozenset(Outcome(j, x) for j, x in branches)
-        return roots
-
-    def _probable_roots(self, rids: list[str], logits: list[torch.Tensor]
-                        ) -> list[list[tuple[int, int]]]:
-        """probable: the batch's most likely outcomes by the draft's calibrated estimate
-        (core/selection.py); also keeps each speculation's confidences for calibration."""
-        k_probs, bonus = [], []
-        for rid, lg in zip(rids, logits):
-            st = self.seqs[rid]
-            conf, cands = outcome_estimates(lg, st.spec, st.sampling, self.fanout,
-                                            self.saguaro_c, self.model, self.budget,
-                                            one_hot=st.source == "fast")
-            st.confidence = conf
-            k_probs.append(accepted_length_probs([self.calibration.rate(c) for c in conf]))
-            bonus.append(cands)
-        return select_outcomes(k_probs, bonus, self.budget * len(rids))
-
-    def _tree_decode(self, rids: list[str], roots: list[list[tuple[int, int]]],
-                     ) -> list[list[Speculation]] | None:
-        """K decode steps over all branches of all sequences, one forward per step.
-
-        Branch b of sequence n, forked at j, sees the sequence's KV up to its fork point
-        (verified tokens + s_1..s_j) and its own earlier branch tokens (scratch KV).
-        None if step() asked to cut it short.
-        """
-        n = len(rids)
-        nb = max((len(r) for r in roots), default=0)
-        if nb == 0:
-            return [[] for _ in rids]
-        ctx, lens = self.kv.gather(rids)
-        lc = ctx[0][0].shape[2]
-        cur = torch.zeros(n, nb, dtype=torch.long)
-        seen = torch.zeros(n, nb, dtype=torch.long)   # context tokens visible to the branch
-        origins = [(0, 0)] * (n * nb)  # per row: the verified (length, last token) if hit
-        for i, (rid, branches) in enumerate(zip(rids, roots)):
-            base = len(self.seqs[rid].tokens)
-            for b, (j, x) in enumerate(branches):
-                cur[i, b], seen[i, b] = x, base + j
-                origins[i * nb + b] = (base + j + 1, x)
-        pos = seen.clone()
-        ctx_mask = (torch.arange(lc)[None, None, :] < seen[:, :, None])        # [N, nb, Lc]
-        eye = torch.eye(nb, dtype=torch.bool)[None].expand(n, nb, nb)
-        row_rids = [rid for rid in rids for _ in range(nb)]  # rows of the [N * nb] batch
-        scratch = None
-        draws = _Draws(len(row_rids))
-        for step in range(self.K):
-            if self._abort.is_set():
-                return None
-            mask = torch.cat([ctx_mask] + [eye] * (step + 1), dim=2)[:, None].to(self.device)
-            out = self.model.forward(cur.to(self.device), pos.to(self.device), mask,
-                                     context=ctx, scratch=scratch, stop=self._abort.is_set)
-            if out is None:  # cut short between two layers: a miss waits at most one layer
-                return None
-            hidden, new_kv = out
-            chosen, qs, conf = self._choose(row_rids, hidden.reshape(n * nb, -1), step, origins)
-            draws.add(chosen, qs, conf)
-            cur = torch.tensor(chosen, dtype=torch.long).view(n, nb)
-            pos = pos + 1
-            if step + 1 < self.K:
-                scratch = new_kv if scratch is None else [
-                    (torch.cat([sk, k], dim=2), torch.cat([sv, v], dim=2))
-                    for (sk, sv), (k, v) in zip(scratch, new_kv)]
-        specs = draws.speculations()
-        return [specs[i * nb: i * nb + len(roots[i])] for i in range(n)]

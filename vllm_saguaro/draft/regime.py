@@ -1,0 +1,308 @@
+"""How a round speculates, decided every step at the batch size running: SSD (the draft
+pre-speculates on its own cores while the target verifies on its own), SD on the lent
+cores (the draft drafts while the target waits, on the target's cores too, and the target
+verifies on every core), or not at all (the draft idles and lends its cores: plain
+decoding). Each is weighed by its model (core/theory.py with the measured step costs),
+clamped to what it was measured to give (core/controller.py RealizedRate); plain
+decoding on the lent cores is probed where it was not measured, or not lately.
+
+A mixin of DraftWorker (draft/worker.py), whose __init__ holds the state it uses (the
+cost lines, the realized rates, the probes, the regime's counters).
+"""
+from __future__ import annotations
+
+import time
+from typing import NamedTuple
+
+from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beats_plain,
+                                          catch_up_pays, lent_sd_pays, lent_sd_worth,
+                                          speculation_pays)
+from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
+from vllm_saguaro.draft.drafting import lcp
+from vllm_saguaro.draft.state import Update
+
+# An idle decision against SD on the lent cores that its model puts within this share of
+# plain decoding is a close one: the proposer asks again after CLOSE_RECHECK_S rather
+# than its default 30 s, and the draft then tries it for a few rounds (_explore).
+CLOSE_SHARE = 0.1
+CLOSE_RECHECK_S = 10.0
+
+# Plain decoding on the lent cores is measured again (a probe, IdleAdvice.probe) at a
+# batch size where it was not probed for this long and speculation is chosen there, the
+# old line then weighed by LENT_REPROBE_KEEP: while SD on the lent cores or SSD runs,
+# only the odd round measures it (a new request's first, at batch 1). Measured at batch
+# 1 (T = 1): the first probe ran in the engine's warm-up and put plain decoding at 11
+# tok/s, 13-16 after, where plain vLLM ran 18, and SD on the lent cores at 17-20 was
+# taken as far ahead of it (0.94-0.95x plain vLLM).
+LENT_REPROBE_S = 30.0
+LENT_REPROBE_KEEP = 0.1
+
+
+class IdleAdvice(NamedTuple):
+    """The draft may idle while the batch is larger than `limit`; `probe`: only to
+    measure plain decoding on the lent cores at this batch size, so ask again soon;
+    `recheck_s`: ask again after this long (None: the proposer's default); `new_text`:
+    ask again as soon as every request of the batch is one that joined since (what was
+    measured is of text that is gone)."""
+
+    limit: int
+    probe: bool
+    recheck_s: float | None = None
+    new_text: bool = False
+
+
+class RegimeChoice:
+    """DraftWorker's regime, chosen each step (see the module's docstring)."""
+
+    def _draft_cost(self) -> StepCost:
+        """The draft step's line for this step's team (_lent_sd_lines in a lent_sd step)."""
+        return self._lent_sd_lines()[1] if self._lent_sd else self.draft_cost
+
+    def _lent_sd_lines(self) -> tuple[StepCost, StepCost]:
+        """SD on the lent cores' lines, (verification, draft step): their own once
+        measured, else plain decoding's on the lent cores and the draft's on its own
+        cores (the higher cost)."""
+        verify = self.lent_sd_cost if self.lent_sd_cost.known else self.lent_cost
+        draft = (self.borrowed_draft_cost if self.team.borrows and self.borrowed_draft_cost.known
+                 else self.draft_cost)
+        return verify, draft
+
+    def _plain_s(self):
+        """Plain decoding's step time with the draft's cores lent to the target, at the
+        batch sizes it has run so (measured: the gain differs by width, and was found
+        small at batch 1), the target's own elsewhere; None without lending."""
+        if self.lent_cost is None or not self.lent_widths or not self.target_cost.known:
+            return None
+        lent, own, seen = self.lent_cost.predict, self.target_cost.predict, self.lent_widths
+        return lambda w: min(lent(w), own(w)) if w in seen else own(w)
+
+    def _beats_lent_plain(self, plan, batch: int) -> bool:
+        """Speculating this step must beat plain decoding on every core (when the
+        draft's cores can be lent to the target)."""
+        if (not sum(plan.lengths) or self.cfg.controller.force_lengths is not None
+                or self._lent_sd):  # lent_sd: the plan's own line is plain decoding's
+            return True
+        plain_s = self._plain_s()
+        if self._ssd_measured_ahead(batch, plain_s):
+            return True  # measured ahead: the model that put it behind is overruled
+        return beats_plain(plan, batch, plain_s)
+
+    def _observe_round(self, updates: list[Update], now: float,
+                       target_s: float | None = None) -> None:
+        """The last round's realized rate (RealizedRate): the tokens this call commits over
+        the time since the last call, when that call speculated at the same batch size
+        and every sequence continues (no new or resynced one: a prefill round). Runs
+        before this call's idle decision: self._limit is still the last call's. For a
+        round of SD on the lent cores, also what it cost beyond the target's step
+        (target_s, measured by the proposer) and the draft's forwards: lent_sd_overhead.
+        Measured at batch 4: the round's wait on the draft was 19 ms where its forwards
+        took 10 (this worker's planning and replies, the round trip); without it the
+        model expected SD on the lent cores at 1.1x plain decoding where it gave 0.85x."""
+        last = self._last_call
+        if (last is None or self._limit is not None or last[1] != len(updates)
+                or any(full is not None or not sampled for _, sampled, full, _ in updates)):
+            return
+        if not last[2] and self._ssd_steps < 2:
+            return  # SSD's first round after a switch or a new request (_ssd_steps)
+        realized = self.lent_sd_realized if last[2] else self.realized
+        realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates), now - last[0], now)
+        if not last[2]:
+            return
+        plain_s, gave = self._plain_s(), self.lent_sd_realized.rate(last[1], now)
+        if plain_s is not None and gave is not None:
+            # paid: by the margin it is taken up with (lent_sd_worth; on a 2-core Xeon,
+            # where it gave plain decoding's rate at batch 4 give or take noise, a mere
+            # lead there made the close recheck try it again and again: 0.89-0.93x plain
+            # vLLM); no longer, once it gave less than plain decoding
+            plain = target_alone_rate(last[1], plain_s)
+            if lent_sd_worth(gave, continuing=False) > plain:
+                self.lent_sd_paid.add(last[1])
+                self.lent_sd_ever_paid.add(last[1])
+            elif gave < plain:
+                self.lent_sd_paid.discard(last[1])
+        if self._lent_sd_steps >= 2 and target_s is not None:
+            # not the first round after SSD's: measured, 40 ms more than the next ones
+            # (the team's first turn on the borrowed cores, the verification's first
+            # widths on the lent ones), which alone held SD on the lent cores off
+            over = max(0.0, now - last[0] - target_s - self._last_draft_s)
+            self.lent_sd_overhead = (over if self.lent_sd_overhead is None
+                                     else 0.9 * self.lent_sd_overhead + 0.1 * over)
+
+    def _catch_up_tokens(self, updates: list[Update]) -> int:
+        """Tokens the draft must prefill before it can speculate on this batch: those of
+        new or resynced sequences beyond the KV it still holds for them."""
+        n = 0
+        for rid, _, full, _ in updates:
+            if full is not None:
+                st = self.seqs.get(rid)
+                n += len(full) - (lcp(st.kv_tokens, full) if st is not None else 0)
+        return n
+
+    def _idle_limit(self, batch: int, catch_up_tokens: int = 0) -> IdleAdvice | None:
+        """If speculation's expected rate (core/theory.py with the fitted a_p, the hit
+        rate, the measured costs; the best K up to the cap) does not beat plain decoding
+        at this batch size, the largest batch size at which it would: this step sends
+        nothing, and the proposer leaves the draft idle (and lends its cores) while the
+        batch is larger. None: speculate as the plan says.
+
+        Plain decoding on the lent cores is only known where it ran, so the first time a
+        batch size is found worth speculating on, the draft idles there for a few rounds
+        anyway (a probe) and the next call decides with that measurement. Where the
+        draft must first prefill the batch (catch_up_tokens) while the target loses the
+        lent cores, speculation's expected gain must pay that back (catch_up_pays)."""
+        ctl = self.cfg.controller
+        if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
+                or not self.target_cost.known or not batch or self._explore > 0):
+            return None  # (_explore: trying SD on the lent cores after a close idle)
+        plain = self._plain_s() or self.target_cost.predict
+        now = time.perf_counter()
+
+        def rate(b: int) -> float:  # the better way to speculate at b
+            lent_sd = self._lent_sd_worth(b, now)
+            return max(self._ssd_rate(b, now), 0.0 if lent_sd is None else lent_sd)
+
+        limit = batch_limit(rate, plain, max_batch=batch)
+        if limit < batch:
+            return self._close_idle(limit, batch, plain)
+        if self.lent_cost is not None and self._probe_due(batch, now):
+            if batch in self.lent_widths:  # measured before: the probe's rounds decide
+                self.lent_cost.discount(LENT_REPROBE_KEEP)
+            self._probed[batch] = now
+            self.stats.lent_probes += 1
+            return IdleAdvice(batch - 1, probe=True)
+        if catch_up_tokens and self.lent_cost is not None and self.lent_cost.known:
+            # on the lent cores' line also at a batch size it was not measured at: the
+            # batch grows and shrinks through sizes plain decoding ran at only briefly
+            own = self.target_cost.predict(batch)
+            lent = min(self.lent_cost.predict(batch), own)
+            gain = rate(batch) - batch / max(lent, 1e-9)
+            lost = batch / max(lent, 1e-9) - batch / max(own, 1e-9)
+            if not catch_up_pays(gain, catch_up_tokens * self.prefill_s_per_token, lost):
+                self.stats.catch_up_idles += 1
+                return IdleAdvice(batch - 1, probe=False)
+        return None
+
+    def _probe_due(self, batch: int, now: float) -> bool:
+        """Plain decoding on the lent cores is to be measured at this batch size: never
+        measured nor probed, or measured but not probed for LENT_REPROBE_S."""
+        if batch not in self._probed:
+            return batch not in self.lent_widths or now - self._started > LENT_REPROBE_S
+        return now - self._probed[batch] > LENT_REPROBE_S
+
+    def _close_idle(self, limit: int, batch: int, plain_s) -> IdleAdvice:
+        """The idle, and when to ask again where it is a close one: SD on the lent cores'
+        model puts it within CLOSE_SHARE of plain decoding (what it gave, or the entry
+        margin, held it off). Text moves on, and while idle nothing measures it.
+
+        After CLOSE_RECHECK_S where it has paid before (lent_sd_paid). Measured at batch
+        1 (HumanEval after MT-Bench on one engine): a prompt whose drafts were rejected
+        for a few dozen rounds put what it gave 9% below plain decoding, and the draft
+        idled for the next 30 s, the rest of the set, where it had run 1.15x on
+        MT-Bench. Not where it never paid: at batch 4 the model puts it at 0.98x plain
+        decoding, and each try would first prefill 10 s of the batch's tokens on the
+        draft's core.
+
+        On new text where it ever paid (lent_sd_ever_paid): what held it off measured
+        requests that are gone. Measured at batch 1: after that HumanEval prompt had
+        put it below plain decoding (no longer paid), the draft idled through the rest
+        of the set while the model still put it at 28.6 tok/s against 26.5."""
+        expected = self._lent_sd_rate(batch, time.perf_counter(), measured=False)
+        if expected is None or expected < (1.0 - CLOSE_SHARE) * batch / max(plain_s(batch), 1e-9):
+            return IdleAdvice(limit, probe=False)
+        return IdleAdvice(limit, probe=False,
+                          recheck_s=CLOSE_RECHECK_S if batch in self.lent_sd_paid else None,
+                          new_text=batch in self.lent_sd_ever_paid)
+
+    def _wake(self, batch: int) -> None:
+        """The first step after a close idle (IdleAdvice.recheck_s or new_text): try SD
+        on the lent cores for as many steps as its measurement needs (min_rounds), by
+        the model alone (its stale measurement forgotten, no entry margin), so that the
+        next decision sees the text running now."""
+        if self._limit is not None and (self._limit.recheck_s is not None or self._limit.new_text):
+            self.lent_sd_realized.forget(batch)
+            self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
+            self.stats.lent_sd_explores += 1
+        elif self._explore > 0:  # another batch size: its own decision
+            self._explore = self._explore - 1 if batch == self._explore_batch else 0
+
+    def _any_new(self, updates: list[Update]) -> bool:
+        """A new or resynced sequence in the batch (its prompt for the draft to prefill)."""
+        return any(full is not None or rid not in self.seqs for rid, _, full, _ in updates)
+
+    def _ssd_measured_ahead(self, batch: int, plain_s) -> bool:
+        """SSD measured (RealizedRate.bounds) surely above plain decoding (plain_s: its
+        step time, None without lent cores) at this batch size: the plan's model, which
+        held it behind, is overruled."""
+        b = None if plain_s is None else self.realized.bounds(batch, time.perf_counter())
+        return b is not None and b[0] > batch / max(plain_s(batch), 1e-9)
+
+    def _ssd_rate(self, batch: int, now: float) -> float:
+        """SSD's rate at this batch size: the model's, clamped to what it was measured
+        to give (RealizedRate.clamp; 0 when the regime is pinned to lent_sd)."""
+        if self.cfg.controller.regime == "lent_sd" and self.lent_cost is not None:
+            return 0.0
+        return self.realized.clamp(self._expected_rate(batch), batch, now)
+
+    def _lent_sd_rate(self, batch: int, now: float, measured: bool = True) -> float | None:
+        """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with its
+        lines, _lent_sd_lines, and the round's overhead, the best K up to the cap),
+        clamped to what it was measured to give (RealizedRate.clamp; `measured`, else
+        the model's alone). None where it is no option (no lent cores, regime ssd) or not
+        known yet (the lent cores or the draft's step not measured)."""
+        if (self.lent_cost is None or self.cfg.controller.regime == "ssd"
+                or not self.lent_cost.known or not self.draft_cost.known):
+            return None
+        verify, draft = self._lent_sd_lines()
+        a, over = self.acceptance.rate, self.lent_sd_overhead or 0.0
+        expected = max((sd_rate(a, k, batch, verify.predict, draft.predict, overhead_s=over)
+                        for k in range(1, self._cap + 1)), default=0.0)
+        return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
+
+    def _lent_sd_worth(self, batch: int, now: float) -> float | None:
+        """_lent_sd_rate as the choice weighs it: discounted unless the last step was SD
+        on the lent cores already (core/controller.py lent_sd_worth)."""
+        return lent_sd_worth(self._lent_sd_rate(batch, now),
+                             continuing=self._lent_sd_steps > 0 or self._explore > 0)
+
+    def _lent_sd_step(self, updates: list[Update]) -> bool:
+        """Whether this step is SD on the lent cores (controller.regime; auto: where it is
+        expected faster than SSD, lent_sd_pays). Never with a new or resynced sequence in
+        the batch: its prompt goes through the draft in the glue pass of a pre-speculation
+        (_catch_up_glue), off the critical path, where SD would draft it on it."""
+        regime = self.cfg.controller.regime
+        if self.lent_cost is None or regime == "ssd" or not updates:
+            return False
+        if self._any_new(updates):
+            return False
+        if regime == "lent_sd":
+            return True
+        now = time.perf_counter()
+        lent_sd = self._lent_sd_worth(len(updates), now)
+        if lent_sd is None or not self.target_cost.known:  # SSD's rounds measure it first
+            return False
+        return lent_sd_pays(self._ssd_rate(len(updates), now), lent_sd)
+
+    def _expected_rate(self, batch: int) -> float:
+        """Tokens per second speculation is expected to give at this batch size."""
+        a, t, d = self.acceptance.rate, self.target_cost.predict, self.draft_cost.predict
+        ks = range(1, self._cap + 1)
+        if not self.cfg.async_:
+            return max((sd_rate(a, k, batch, t, d) for k in ks), default=0.0)
+        # the backups a miss may get (None: the neural one): config `fallback`
+        fast = {"neural": [None], "fast": [self.fast_acceptance.rate],
+                "auto": [None, self.fast_acceptance.rate]}[self.cfg.fallback]
+        return max((ssd_rate(a, k, self.hit_rate, batch, t, d, a_fast=f) for k in ks for f in fast),
+                   default=0.0)
+
+    def _prespeculation_pays(self, batch: int) -> bool:
+        """Pre-speculate only what the next step could use: with the fitted a_p, would any
+        of the batch's cached tokens be sent? (On CPU an unused pre-speculation still takes
+        the memory bus from the target.)"""
+        ctl = self.cfg.controller
+        if ctl.policy != "auto" or ctl.force_lengths is not None or not self.target_cost.known:
+            return True
+        plain_s = self._plain_s()
+        if self._ssd_measured_ahead(batch, plain_s):
+            return True  # measured ahead: the model that put it behind is overruled
+        hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
+        return speculation_pays([hit] * batch, self.target_cost.predict, plain_s)
