@@ -839,9 +839,13 @@ def test_the_team_borrows_the_target_cores_only_in_lent_sd_steps(tiny_target, hf
     w.step([("b", None, p, None)], ["a"], ())  # a new sequence: SSD's step
     w.prespeculate()
     assert teams == [1, 1] and bound == [{3}, {3}]
-    results, _, _, _, lent_sd = w.step([("b", hf_greedy(hf, p, 1), None, None)], [], ())
+    bonus = hf_greedy(hf, p, 1)
+    results, _, _, _, lent_sd = w.step([("b", bonus, None, None)], [], ())
     assert lent_sd and teams[-1] == 2 and results[0][0]
     assert bound[2:] == [{3}, "added"]
+    assert not w.borrowed_draft_cost.known  # the run's first step: not measured
+    spec = results[0][0]
+    w.step([("b", spec + hf_greedy(hf, p + bonus + spec, 1), None, None)], [], ())
     assert w.borrowed_draft_cost.known
     assert DraftTeam([0, 1], [2]).borrow == []  # the draft on two cores: no borrowing
 
@@ -922,3 +926,26 @@ def test_the_fast_backup_is_measured_where_it_does_not_draft(tiny_target, hf):
     w.cfg.fallback = "neural"
     w.step([("b", None, p, None)], ["a"], ())
     assert w.seqs["b"].shadow_fast is None
+
+
+def test_the_first_lent_sd_step_of_a_run_is_not_measured(tiny_target, hf):
+    """The first lent_sd step after a switch runs cold (the borrowed team's first turn,
+    the verification's first widths on the lent cores): neither its verification (in the
+    next call's target steps) nor its draft step feeds the lines; the second's do. One
+    such measurement once put SD on the lent cores below plain decoding for good."""
+    w = lent_worker(tiny_target, regime="lent_sd")
+    p = [5, 17, 99, 3, 250, 7]
+    w.step([("a", None, p, None)], [], ())  # new: SSD's step
+    w.prespeculate()
+    bonus = hf_greedy(hf, p, 1)
+    draft_s0 = w.draft_cost.s0
+    (spec, _, _), = w.step([("a", bonus, None, None)], [], ())[0]  # the run's first
+    assert spec and w._lent_sd_steps == 1 and w.draft_cost.s0 == draft_s0
+    out = p + bonus + spec
+    (spec, _, _), = w.step([("a", spec + hf_greedy(hf, out, 1), None, None)], [],
+                           [(1 + len(spec), 0.5, True, True)])[0]  # its verification: cold
+    assert not w.lent_sd_cost.known and w.lent_sd_cost.s0 == 0.0
+    assert w.draft_cost.s0 > draft_s0  # the second step's draft is measured
+    w.step([("a", spec + hf_greedy(hf, out + hf_greedy(hf, out, 1) + spec, 1), None, None)],
+           [], [(1 + len(spec), 0.09, True, True)])
+    assert w.lent_sd_cost.s0 > 0.0

@@ -325,11 +325,21 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
             if self._prespec_pending and self.cfg.fanout.fit_to_round:
                 self.budget_control.observe(overran)
             self._prespec_pending = False
+            # The first lent_sd step of a run is not measured: its verification and the
+            # borrowed team's draft step run ~40 ms slower than the next ones (the team's
+            # first turn on the borrowed cores, the verification's first widths on the
+            # lent ones). Traced at batch 1: that one measurement put SD on the lent
+            # cores' model at 21 tok/s (33 before it), below plain decoding's 23, and the
+            # draft idled for the rest of the engine's run, where other starts ran it at
+            # 1.05-1.1x plain decoding. (_lent_sd_steps is still the last call's here: 1
+            # = it began a run.)
+            first_lent_sd = self._lent_sd_steps == 1
             for width, seconds, lent, *drafted in target_steps:
                 if not lent:
                     self.target_cost.observe(width, seconds)
-                elif drafted and drafted[0] and self.lent_sd_cost is not None:
-                    self.lent_sd_cost.observe(width, seconds)
+                elif drafted and drafted[0]:
+                    if self.lent_sd_cost is not None and not first_lent_sd:
+                        self.lent_sd_cost.observe(width, seconds)
                 elif self.lent_cost is not None:
                     self.lent_cost.observe(width, seconds)
                     self.lent_widths.add(width)
@@ -451,7 +461,9 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
             for i, draft in zip(neural, drafts):
                 specs[i], sources[i] = draft, "neural"
             sunk = self._last_draft_s = time.perf_counter() - t0
-            if not fresh & set(neural):  # a prefill would inflate the step's time
+            # a prefill would inflate the step's time, as would the borrowed team's first
+            # turn (the first lent_sd step of a run: see step())
+            if not fresh & set(neural) and not (self._lent_sd and self._lent_sd_steps == 1):
                 line = (self.borrowed_draft_cost if self._lent_sd and self.team.borrows
                         else self.draft_cost)
                 line.observe(len(neural), sunk / max(len(d.tokens) for d in drafts))
