@@ -696,9 +696,7 @@ def test_sd_on_the_lent_cores_is_taken_up_only_with_a_margin(tiny_target):
 def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     """Where SD on the lent cores' model is within CLOSE_SHARE of plain decoding and it
     has paid before, the idle advice asks for a recheck after CLOSE_RECHECK_S, and where
-    it ever paid or never ran min_rounds rounds, also on new text (the latter counted by
-    _observe_round, see test_a_lent_sd_run_of_min_rounds_counts_as_tried); the step
-    after it tries SD on the lent cores for
+    it ever paid, also on new text; the step after it tries SD on the lent cores for
     min_rounds steps at that batch size (its old measurement forgotten) even though the
     model is below plain decoding, then decides as before. Far below, the proposer's
     default recheck."""
@@ -711,10 +709,7 @@ def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     w._ssd_rate = lambda b, now: 0.0
     model = plain * (1 - CLOSE_SHARE / 2)
     w._lent_sd_rate = lambda b, now, measured=True: model
-    # never ran there (tried): its model alone held it off, so new text asks again
-    assert w._idle_limit(1) == IdleAdvice(0, False, None, True)
-    w.lent_sd_tried.add(1)  # ran min_rounds rounds and never paid at batch 1
-    assert w._idle_limit(1) == IdleAdvice(0, False, None, False)
+    assert w._idle_limit(1) == IdleAdvice(0, False, None, False)  # it never paid at batch 1
     w.lent_sd_ever_paid.add(1)  # paid once, no longer
     assert w._idle_limit(1) == IdleAdvice(0, False, None, True)
     w.lent_sd_paid.add(1)
@@ -954,22 +949,3 @@ def test_the_first_lent_sd_step_of_a_run_is_not_measured(tiny_target, hf):
     w.step([("a", spec + hf_greedy(hf, out + hf_greedy(hf, out, 1) + spec, 1), None, None)],
            [], [(1 + len(spec), 0.09, True, True)])
     assert w.lent_sd_cost.s0 > 0.0
-
-
-def test_a_lent_sd_run_of_min_rounds_counts_as_tried(tiny_target):
-    """_observe_round: a batch size counts as tried (lent_sd_tried: a close idle there no
-    longer ends on new text unless it paid) once SD on the lent cores' rounds there
-    reach min_rounds, not before; SSD's rounds do not count."""
-    w = lent_worker(tiny_target, regime="auto")
-    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
-    one = [("a", [1], None, None)]
-    now = time.perf_counter()
-    for lent_sd, expected in [(False, set()), (True, set())]:
-        w.lent_sd_realized.forget(1)
-        for i in range(w.lent_sd_realized.min_rounds - 1):
-            w._last_call, w._limit, w._ssd_steps = (now + i * 0.05, 1, lent_sd), None, 5
-            w._observe_round(one, now + (i + 1) * 0.05)
-        assert w.lent_sd_tried == expected
-    w._last_call = (now, 1, True)
-    w._observe_round(one, now + 0.05)
-    assert w.lent_sd_tried == {1}

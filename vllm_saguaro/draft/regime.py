@@ -108,8 +108,6 @@ class RegimeChoice:
         realized.observe(len(updates), sum(len(s) for _, s, _, _ in updates), now - last[0], now)
         if not last[2]:
             return
-        if self.lent_sd_realized.rounds(last[1]) >= self.lent_sd_realized.min_rounds:
-            self.lent_sd_tried.add(last[1])
         plain_s, gave = self._plain_s(), self.lent_sd_realized.rate(last[1], now)
         if plain_s is not None and gave is not None:
             # paid: by the margin it is taken up with (lent_sd_worth; on a 2-core Xeon,
@@ -207,20 +205,13 @@ class RegimeChoice:
         On new text where it ever paid (lent_sd_ever_paid): what held it off measured
         requests that are gone. Measured at batch 1: after that HumanEval prompt had
         put it below plain decoding (no longer paid), the draft idled through the rest
-        of the set while the model still put it at 28.6 tok/s against 26.5.
-
-        Also on new text where it never ran min_rounds rounds (lent_sd_tried): the
-        model alone held it off, and nothing measures the model while idle. Traced at
-        batch 1: four rounds took the model from 32 to 23 tok/s, a new request's round
-        (SSD's) then made the next one an entry, 5% short of plain decoding's 22.5, and
-        the draft idled for the rest of the engine's run (0.94-0.97x plain vLLM, where
-        other starts ran 1.01-1.07x). Once per batch size: a try runs min_rounds."""
+        of the set while the model still put it at 28.6 tok/s against 26.5."""
         expected = self._lent_sd_rate(batch, time.perf_counter(), measured=False)
         if expected is None or expected < (1.0 - CLOSE_SHARE) * batch / max(plain_s(batch), 1e-9):
             return IdleAdvice(limit, probe=False)
         return IdleAdvice(limit, probe=False,
                           recheck_s=CLOSE_RECHECK_S if batch in self.lent_sd_paid else None,
-                          new_text=batch in self.lent_sd_ever_paid or batch not in self.lent_sd_tried)
+                          new_text=batch in self.lent_sd_ever_paid)
 
     def _wake(self, batch: int) -> None:
         """The first step after a close idle (IdleAdvice.recheck_s or new_text): try SD
