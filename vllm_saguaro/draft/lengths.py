@@ -69,8 +69,9 @@ class LengthPlanning:
     def _verify_s(self, batch: int) -> Callable[[int], float]:
         """The target's step time by tokens verified, as this step's plan weighs it: its
         line (_verify_cost), except that in a lent_sd step a width of `batch` (nothing
-        sent) is plain decoding's on the lent cores, the step vLLM then takes and the
-        line SD on the lent cores was chosen against. Measured at batch 1 (MT-Bench,
+        sent) is plain decoding's on the lent cores (lent_cost), the step vLLM then
+        takes; the regime's choice weighed SD on the lent cores against plain decoding
+        too (_plain_s, this line where it was measured). Measured at batch 1 (MT-Bench,
         T = 1): the lent_sd line, fitted on widths 2-4, put width 1 at 34 ms where plain
         steps took 40, so the plan sent nothing in 97% of the lent_sd rounds, each a plain
         step plus the draft's round trip (23.5 tok/s, plain decoding 24.3)."""

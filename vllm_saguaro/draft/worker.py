@@ -170,7 +170,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         self._last_draft_s = 0.0  # the last step's neural drafting (the fallback's steps)
         self._lent_sd_steps = 0  # lent_sd steps in a row, up to the last one
         # batch sizes where SD on the lent cores gave more than plain decoding (over
-        # min_rounds rounds), so that a close idle there is tried again (_close_recheck);
+        # min_rounds rounds), so that a close idle there is tried again (_close_idle);
         # and where it ever did (a close idle there ends on new text)
         self.lent_sd_paid: set[int] = set()
         self.lent_sd_ever_paid: set[int] = set()
