@@ -641,6 +641,9 @@ def lent_worker(tiny_target, **controller):
     w.draft_cost = StepCost()
     for rows in (1, 4):
         w.draft_cost.observe(rows, 0.002)
+    # SSD explored at these batch sizes just now (regime.py SSD_EXPLORE_ROUNDS): the
+    # regime's choice is the models' (test_ssd_is_explored_... tests the exploration)
+    w._ssd_explored = {b: time.perf_counter() for b in (1, 2, 4)}
     return w
 
 
@@ -954,3 +957,99 @@ def test_the_first_lent_sd_step_of_a_run_is_not_measured(tiny_target, hf):
     w.step([("a", spec + hf_greedy(hf, out + hf_greedy(hf, out, 1) + spec, 1), None, None)],
            [], [(1 + len(spec), 0.09, True, True)])
     assert w.lent_sd_cost.s0 > 0.0
+
+
+def test_the_step_beside_a_prompts_prefill_is_not_the_targets_cost(tiny_target, hf):
+    """The target's step after a call with a new sequence runs beside that call's
+    pre-speculation, whose glue pass prefills the prompt on the draft's cores: it does
+    not feed the target's own line; the next steps on its own cores do. Under SD on the
+    lent cores those steps were the only ones that line saw, and put it 50% high."""
+    w = worker(tiny_target, controller={"policy": "auto", "regime": "ssd"})
+    p = [5, 17, 99, 3, 250, 7]
+    w.step([("a", None, p, None)], [], ())  # new: its prompt goes into the glue pass
+    w.prespeculate()
+    bonus = hf_greedy(hf, p, 1)
+    (spec, _, _), = w.step([("a", bonus, None, None)], [], [(1, 0.5, False)])[0]
+    assert not w.target_cost.known  # the step beside the prefill
+    w.prespeculate()
+    out = p + bonus
+    w.step([("a", spec + hf_greedy(hf, out + spec, 1), None, None)], [],
+           [(1 + len(spec), 0.04, False)])
+    assert w.target_cost.known and w.target_cost.predict(1 + len(spec)) == pytest.approx(0.04)
+
+
+def test_ssd_is_explored_where_sd_on_the_lent_cores_is_chosen(tiny_target, hf):
+    """Where SD on the lent cores is chosen and SSD was not measured lately at that batch
+    size, the step starts SSD_EXPLORE_ROUNDS steps of SSD instead (not idle, not SD on
+    the lent cores, whatever the models say; pre-speculating, its plan not cut), once per
+    SSD_EXPLORE_S; a change of batch size ends it. Not under a pinned regime."""
+    from vllm_saguaro.draft.regime import SSD_EXPLORE_ROUNDS, SSD_EXPLORE_S, IdleAdvice
+
+    w = lent_worker(tiny_target, regime="auto")
+    w._ssd_explored = {}
+    assert not w._ssd_explore_due(1)  # SD on the lent cores is measured first
+    for _ in range(w.lent_sd_realized.min_rounds):  # (well ahead: chosen)
+        w.lent_sd_realized.observe(1, 2, 0.01, time.perf_counter())
+    p = [5, 17, 99, 3, 250, 7]
+    w.step([("a", None, p, None)], [], ())
+    w.prespeculate()
+    out = p + hf_greedy(hf, p, 1)
+    results, _, _, idle, lent_sd = w.step([("a", out[len(p):], None, None)], [], ())
+    assert idle is None and not lent_sd and w.stats.ssd_explores == 1
+    assert w._exploring_ssd and w._prespeculation_pays(1)
+    w._idle_limit = lambda *a: IdleAdvice(0, probe=False)  # the models: idle, or lent_sd
+    for _ in range(SSD_EXPLORE_ROUNDS - 1):
+        w.prespeculate()
+        spec = results[0][0]
+        n = len(out)
+        out += spec + hf_greedy(hf, out + spec, 1)
+        results, _, _, idle, lent_sd = w.step([("a", out[n:], None, None)], [], ())
+        assert idle is None and not lent_sd and results[0][0]
+    del w._idle_limit
+    w.realized.forget(1)  # (the test's rounds are instant) the models decide
+    results, _, _, idle, lent_sd = w.step(
+        [("a", results[0][0] + hf_greedy(hf, out + results[0][0], 1), None, None)], [], ())
+    assert lent_sd and w.stats.ssd_explores == 1  # explored: the models decide
+    assert w._ssd_explore_ended and not w._exploring_ssd
+    w._ssd_explored[1] -= SSD_EXPLORE_S
+    w.realized.forget(1)
+    assert w._ssd_explore_due(1) and w.stats.ssd_explores == 2
+    assert [w._ssd_exploration_goes_on(1) for _ in range(2)] == [True, True]
+    assert not w._ssd_exploration_goes_on(2) and not w._ssd_exploration_goes_on(1)
+    w._ssd_explored[1] -= SSD_EXPLORE_S
+    for _ in range(w.realized.min_rounds):  # SSD measured lately: no exploration
+        w.realized.observe(1, 2, 0.05, time.perf_counter())
+    assert not w._ssd_explore_due(1)
+    w.realized.forget(1)
+    pinned = lent_worker(tiny_target, regime="lent_sd")
+    pinned._ssd_explored = {}
+    assert not pinned._ssd_explore_due(1)
+
+
+def test_ssd_and_sd_on_the_lent_cores_both_measured_choose_by_what_they_gave(tiny_target):
+    """Where both regimes were measured at this batch size lately (an exploration of
+    SSD), the choice goes by what they gave, SD on the lent cores taken up with its entry
+    margin (none where it ran before the exploration), whatever the models say."""
+    from vllm_saguaro.core.controller import LENT_SD_ENTRY_MARGIN
+
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    update = [("a", [1], None, None)]
+    w._ssd_rate = lambda b, now: 10.0
+    w._lent_sd_rate = lambda b, now, measured=True: 50.0  # the models: SD on the lent cores
+    assert w._lent_sd_step(update)
+    now = time.perf_counter()
+    for _ in range(w.lent_sd_realized.min_rounds):
+        w.lent_sd_realized.observe(1, 2, 0.1, now)  # gave 20 tok/s
+    assert 19.5 * (1 + LENT_SD_ENTRY_MARGIN) > 20.0 > 19.5  # entering, 20 counts as 19.05
+    for ssd, steps, taken in [(21.0, 3, False), (19.5, 0, False), (19.5, 3, True),
+                              (18.5, 0, True)]:
+        w.realized.forget(1)
+        for _ in range(w.realized.min_rounds):
+            w.realized.observe(1, 1, 1.0 / ssd, now)
+        w._lent_sd_steps = steps
+        assert w._lent_sd_step(update) == taken, (ssd, steps)
+        w._lent_sd_steps, w._ssd_explore_ended = 0, True  # the exploration's next step
+        assert w._lent_sd_step(update) == (ssd < 20.0), ssd
+        w._ssd_explore_ended = False

@@ -38,6 +38,20 @@ LENT_REPROBE_S = 30.0
 LENT_REPROBE_KEEP = 0.1
 
 
+# SSD is measured where SD on the lent cores is chosen over it (an exploration,
+# _ssd_explore_due): SSD_EXPLORE_ROUNDS of SSD's rounds at that batch size, once per
+# SSD_EXPLORE_S there while what SSD gave is not known (RealizedRate.ttl_s). Its model's
+# inputs are SSD's own (the target's step on its own cores, the hit rate, the acceptance
+# at K), which only its rounds measure, and SD on the lent cores runs none; and where
+# both were measured, the choice goes by what they gave (_lent_sd_step). Measured at
+# batch 1 (HumanEval, T = 0): under SD on the lent cores the target's own line was
+# the cold first steps of the engine's run (53-67 ms a step, SSD's steady ones 38-42) and
+# the hit rate its 0.5 prior (0.57 measured), so SSD's model said 23-31 tok/s; SSD pinned
+# ran 43-46, the auto choice 34 (plain vLLM 31).
+SSD_EXPLORE_ROUNDS = 48
+SSD_EXPLORE_S = 60.0
+
+
 class IdleAdvice(NamedTuple):
     """The draft may idle while the batch is larger than `limit`; `probe`: only to
     measure plain decoding on the lent cores at this batch size, so ask again soon;
@@ -85,6 +99,8 @@ class RegimeChoice:
         plain_s = self._plain_s()
         if self._ssd_measured_ahead(batch, plain_s):
             return True  # measured ahead: the model that put it behind is overruled
+        if self._exploring_ssd:
+            return True  # an exploration measures SSD as it is
         return beats_plain(plan, batch, plain_s)
 
     def _observe_round(self, updates: list[Update], now: float,
@@ -225,6 +241,36 @@ class RegimeChoice:
         elif self._explore > 0:  # another batch size: its own decision
             self._explore = self._explore - 1 if batch == self._explore_batch else 0
 
+    def _ssd_exploration_goes_on(self, batch: int) -> bool:
+        """Whether this step goes on with an exploration of SSD (SSD_EXPLORE_ROUNDS):
+        neither idle nor SD on the lent cores, whatever the models say. Ends early where
+        the batch size changes."""
+        if self._ssd_explore > 0 and batch == self._ssd_explore_batch:
+            self._ssd_explore -= 1
+            return True
+        self._ssd_explore = 0
+        return False
+
+    def _ssd_explore_due(self, batch: int) -> bool:
+        """Whether this step, chosen SD on the lent cores, starts an exploration of SSD
+        instead (SSD_EXPLORE_ROUNDS steps): regime auto, SD on the lent cores measured at
+        this batch size (what it gave: the two are then compared on what they gave), SSD
+        not (RealizedRate), nor explored there for SSD_EXPLORE_S. Measured before the
+        first condition: an exploration in an engine's first rounds (a cold start, a
+        first MT-Bench prompt) put the acceptance at 0.38 and SSD at 25.9 tok/s, and the
+        draft idled for the rest of the run at plain decoding's 28.5."""
+        if self.cfg.controller.regime != "auto" or not self.cfg.async_ or self._explore > 0:
+            return False  # (_explore: trying SD on the lent cores after a close idle)
+        now = time.perf_counter()
+        if (self.lent_sd_realized.rate(batch, now) is None  # what it gives: measured first
+                or self.realized.rate(batch, now) is not None
+                or now - self._ssd_explored.get(batch, -SSD_EXPLORE_S) < SSD_EXPLORE_S):
+            return False
+        self._ssd_explored[batch] = now
+        self._ssd_explore, self._ssd_explore_batch = SSD_EXPLORE_ROUNDS - 1, batch
+        self.stats.ssd_explores += 1
+        return True
+
     def _any_new(self, updates: list[Update]) -> bool:
         """A new or resynced sequence in the batch (its prompt for the draft to prefill)."""
         return any(full is not None or rid not in self.seqs for rid, _, full, _ in updates)
@@ -261,8 +307,13 @@ class RegimeChoice:
     def _lent_sd_worth(self, batch: int, now: float) -> float | None:
         """_lent_sd_rate as the choice weighs it: discounted unless the last step was SD
         on the lent cores already (core/controller.py lent_sd_worth)."""
-        return lent_sd_worth(self._lent_sd_rate(batch, now),
-                             continuing=self._lent_sd_steps > 0 or self._explore > 0)
+        return lent_sd_worth(self._lent_sd_rate(batch, now), self._lent_sd_continues())
+
+    def _lent_sd_continues(self) -> bool:
+        """SD on the lent cores would go on, not be taken up (lent_sd_worth's margin): the
+        last step was one, or tries it after a close idle (_explore), or ended an
+        exploration of SSD that began from it (a detour that measured the other)."""
+        return self._lent_sd_steps > 0 or self._explore > 0 or self._ssd_explore_ended
 
     def _lent_sd_step(self, updates: list[Update]) -> bool:
         """Whether this step is SD on the lent cores (controller.regime; auto: where it is
@@ -276,11 +327,14 @@ class RegimeChoice:
             return False
         if regime == "lent_sd":
             return True
-        now = time.perf_counter()
-        lent_sd = self._lent_sd_worth(len(updates), now)
+        now, batch = time.perf_counter(), len(updates)
+        lent_sd = self._lent_sd_worth(batch, now)
         if lent_sd is None or not self.target_cost.known:  # SSD's rounds measure it first
             return False
-        return lent_sd_pays(self._ssd_rate(len(updates), now), lent_sd)
+        gave = self.realized.rate(batch, now), self.lent_sd_realized.rate(batch, now)
+        if None not in gave:  # both measured (an exploration of SSD): what they gave
+            return lent_sd_pays(gave[0], lent_sd_worth(gave[1], self._lent_sd_continues()))
+        return lent_sd_pays(self._ssd_rate(batch, now), lent_sd)
 
     def _expected_rate(self, batch: int) -> float:
         """Tokens per second speculation is expected to give at this batch size."""
@@ -302,7 +356,8 @@ class RegimeChoice:
         if ctl.policy != "auto" or ctl.force_lengths is not None or not self.target_cost.known:
             return True
         plain_s = self._plain_s()
-        if self._ssd_measured_ahead(batch, plain_s):
-            return True  # measured ahead: the model that put it behind is overruled
+        if self._ssd_measured_ahead(batch, plain_s) or self._exploring_ssd:
+            return True  # measured ahead (the model that put it behind is overruled), or
+            # an exploration, which measures SSD as it is
         hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
         return speculation_pays([hit] * batch, self.target_cost.predict, plain_s)

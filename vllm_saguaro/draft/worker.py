@@ -42,7 +42,7 @@ from vllm_saguaro.draft.lengths import LengthPlanning
 from vllm_saguaro.draft.linear import fp16_supported
 from vllm_saguaro.draft.model import DraftModel, check_draft_vocabulary
 from vllm_saguaro.draft.prespeculation import Prespeculation
-from vllm_saguaro.draft.regime import IdleAdvice, RegimeChoice
+from vllm_saguaro.draft.regime import SSD_EXPLORE_S, IdleAdvice, RegimeChoice
 from vllm_saguaro.draft.speculation_table import SpeculationTable, TableView
 from vllm_saguaro.draft.state import Result, SeqState, TargetStep, Update
 from vllm_saguaro.draft.stats import DraftStats
@@ -153,7 +153,12 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         # batch size -> when plain decoding on the lent cores was last probed there
         self._probed: dict[int, float] = {}
         self._started = time.perf_counter()
-        self.realized = RealizedRate(alpha=0.05)  # what speculation gave, round to round
+        # what SSD gave, round to round; kept SSD_EXPLORE_S after its last round (then
+        # explored again where SD on the lent cores runs instead: regime.py). Measured
+        # with the default two minutes, at batch 1: what SSD gave as the HumanEval
+        # prompts ended (22.7 tok/s) stood for the rest of the run, and the choice
+        # weighed it against what SD on the lent cores gave on the prompts after them
+        self.realized = RealizedRate(alpha=0.05, ttl_s=SSD_EXPLORE_S)
         # and SD on the lent cores, over more rounds: it is weighed against plain decoding
         # on the same cores, 0-25% apart at batch 1, and its first rounds on an engine ran
         # ~25% slower than later ones (measured: 25.7 tok/s over the first 24 rounds, 32
@@ -176,11 +181,24 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         self.lent_sd_ever_paid: set[int] = set()
         # steps left that try SD on the lent cores after a close idle, at this batch size
         self._explore, self._explore_batch = 0, 0
+        # an exploration of SSD (regime.py SSD_EXPLORE_ROUNDS): this step is one, the
+        # steps left after it and its batch size, when one last started per batch size
+        self._exploring_ssd = self._ssd_explore_ended = False  # (and it ended last step)
+        self._ssd_explore, self._ssd_explore_batch = 0, 0
+        self._ssd_explored: dict[int, float] = {}
         # steps in a row that were SSD's on continuing sequences (not idle, not lent_sd,
         # none new), up to the last one: the realized rate measures SSD from the second
         # on (the first after a switch or a new request is a cold miss: measured at
         # batch 1, SSD's rounds after new requests put it at 13.4 tok/s, plain decoding 21)
         self._ssd_steps = 0
+        # the last call sent a new or resynced sequence into a pre-speculation: the
+        # target's step that ran beside its glue pass (the prompt's prefill on the
+        # draft's cores) is no measure of the target's own cost. Measured at batch 1
+        # (HumanEval, T = 0): under SD on the lent cores these steps were the only ones
+        # on the target's own cores, and put its line at 52-65 ms a step at width 1,
+        # where SSD's steady steps took 38-42 (and SSD's model gave it 23-27 tok/s
+        # where SSD pinned ran 46: plain decoding 31, auto 34)
+        self._beside_prefill = False
         # what a round of SD on the lent cores costs beyond the target's step and the
         # draft's forwards (this worker's own work around them, the round trip, the
         # proposer), an average
@@ -336,7 +354,8 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
             first_lent_sd = self._lent_sd_steps == 1
             for width, seconds, lent, *drafted in target_steps:
                 if not lent:
-                    self.target_cost.observe(width, seconds)
+                    if not self._beside_prefill:  # (see __init__)
+                        self.target_cost.observe(width, seconds)
                 elif drafted and drafted[0]:
                     if self.lent_sd_cost is not None and not first_lent_sd:
                         self.lent_sd_cost.observe(width, seconds)
@@ -346,11 +365,24 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._observe_round(updates, t0, target_steps[-1][1] if target_steps else None)
             self._wake(len(updates))
-            self._limit = self._idle_limit(len(updates), self._catch_up_tokens(updates))
-            self._lent_sd = self._limit is None and self._lent_sd_step(updates)
+            # an exploration of SSD (regime.py SSD_EXPLORE_ROUNDS) goes on, or starts
+            # where SD on the lent cores is chosen
+            explored = self._exploring_ssd
+            self._exploring_ssd = self._ssd_exploration_goes_on(len(updates))
+            self._ssd_explore_ended = explored and not self._exploring_ssd
+            self._limit = (None if self._exploring_ssd else
+                           self._idle_limit(len(updates), self._catch_up_tokens(updates)))
+            self._lent_sd = (not self._exploring_ssd and self._limit is None
+                             and self._lent_sd_step(updates))
+            if self._lent_sd and self._ssd_explore_due(len(updates)):
+                self._lent_sd, self._exploring_ssd = False, True
             self.stats.lent_sd_steps += self._lent_sd
             self._lent_sd_steps = self._lent_sd_steps + 1 if self._lent_sd else 0
-            steady = self._limit is None and not self._lent_sd and not self._any_new(updates)
+            new = self._any_new(updates)
+            steady = self._limit is None and not self._lent_sd and not new
+            # the target's next step runs beside this call's pre-speculation, which
+            # prefills a new prompt (its glue pass): not one of the target's own cost
+            self._beside_prefill = new and not self._lent_sd and self._limit is None
             self._ssd_steps = self._ssd_steps + 1 if steady else 0
             self.team.use(self._lent_sd)  # lent_sd: the target waits, its cores are free
             # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q
