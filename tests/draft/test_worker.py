@@ -1053,3 +1053,25 @@ def test_ssd_and_sd_on_the_lent_cores_both_measured_choose_by_what_they_gave(tin
         w._lent_sd_steps, w._ssd_explore_ended = 0, True  # the exploration's next step
         assert w._lent_sd_step(update) == (ssd < 20.0), ssd
         w._ssd_explore_ended = False
+
+
+def test_plain_decoding_on_the_lent_cores_is_measured_while_the_draft_idles(tiny_target, hf):
+    """A lent step without draft tokens after a lent_sd step (the plan sent nothing) does
+    not feed plain decoding's line on the lent cores: it follows the draft's turn on the
+    target's cores. After a step that was not lent_sd's (the draft idled) it does."""
+    w = lent_worker(tiny_target, regime="lent_sd")
+    before = w.lent_cost.predict(1)
+    p = [5, 17, 99, 3, 250, 7]
+    w.step([("a", None, p, None)], [], ())
+    w.prespeculate()
+    out = p + hf_greedy(hf, p, 1)
+    results, _, _, _, lent_sd = w.step([("a", out[len(p):], None, None)], [], ())
+    assert lent_sd
+    spec = results[0][0]
+    n = len(out)
+    out += spec + hf_greedy(hf, out + spec, 1)
+    w.step([("a", out[n:], None, None)], [], [(1, 0.5, True, False)])
+    assert w.lent_cost.predict(1) == pytest.approx(before)
+    w._lent_sd = False  # as after an idle step
+    w.step([("a", None, out, None)], [], [(1, 0.5, True, False)])
+    assert w.lent_cost.predict(1) > before

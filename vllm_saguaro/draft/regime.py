@@ -47,7 +47,7 @@ LENT_REPROBE_KEEP = 0.1
 # batch 1 (HumanEval, T = 0): under SD on the lent cores the target's own line was
 # the cold first steps of the engine's run (53-67 ms a step, SSD's steady ones 38-42) and
 # the hit rate its 0.5 prior (0.57 measured), so SSD's model said 23-31 tok/s; SSD pinned
-# ran 43-46, the auto choice 34 (plain vLLM 31).
+# ran 43-48, the auto choice 34 (plain vLLM 31).
 SSD_EXPLORE_ROUNDS = 48
 SSD_EXPLORE_S = 60.0
 
