@@ -4,7 +4,9 @@ cores (the draft drafts while the target waits, on the target's cores too, and t
 verifies on every core), or not at all (the draft idles and lends its cores: plain
 decoding). Each is weighed by its model (core/theory.py with the measured step costs),
 clamped to what it was measured to give (core/controller.py RealizedRate); plain
-decoding on the lent cores is probed where it was not measured, or not lately.
+decoding on the lent cores is probed where it was not measured, or not lately, and SSD
+is explored where SD on the lent cores runs instead (SSD_EXPLORE_ROUNDS); where both
+were measured, what they gave decides between them.
 
 A mixin of DraftWorker (draft/worker.py), whose __init__ holds the state it uses (the
 cost lines, the realized rates, the probes, the regime's counters).
