@@ -365,7 +365,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
                     # last call's), which follows the draft's turn on the target's cores.
                     # Measured at batch 1 (T = 1): with those, plain decoding's line said
                     # 24-27 tok/s where plain vLLM ran 27.5-30.7, and SD on the lent cores
-                    # at 24-26 was tried again and again (0.79-0.81x plain vLLM)
+                    # at 24-26 was tried again and again (0.79-0.87x plain vLLM)
                     self.lent_cost.observe(width, seconds)
                     self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
