@@ -99,10 +99,8 @@ class RegimeChoice:
                 or self._lent_sd):  # lent_sd: the plan's own line is plain decoding's
             return True
         plain_s = self._plain_s()
-        if self._ssd_measured_ahead(batch, plain_s):
-            return True  # measured ahead: the model that put it behind is overruled
-        if self._exploring_ssd:
-            return True  # an exploration measures SSD as it is
+        if self._ssd_as_measured(batch, plain_s):
+            return True
         return beats_plain(plan, batch, plain_s)
 
     def _observe_round(self, updates: list[Update], now: float,
@@ -284,6 +282,13 @@ class RegimeChoice:
         b = None if plain_s is None else self.realized.bounds(batch, time.perf_counter())
         return b is not None and b[0] > batch / max(plain_s(batch), 1e-9)
 
+    def _ssd_as_measured(self, batch: int, plain_s) -> bool:
+        """SSD runs as it is, whatever its model says of this step's plan and
+        pre-speculation: it was measured surely ahead of plain decoding
+        (_ssd_measured_ahead: the model that put it behind is overruled), or this step
+        is an exploration of it, which measures it (SSD_EXPLORE_ROUNDS)."""
+        return self._exploring_ssd or self._ssd_measured_ahead(batch, plain_s)
+
     def _ssd_rate(self, batch: int, now: float) -> float:
         """SSD's rate at this batch size: the model's, clamped to what it was measured
         to give (RealizedRate.clamp; 0 when the regime is pinned to lent_sd)."""
@@ -307,8 +312,8 @@ class RegimeChoice:
         return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
 
     def _lent_sd_worth(self, batch: int, now: float) -> float | None:
-        """_lent_sd_rate as the choice weighs it: discounted unless the last step was SD
-        on the lent cores already (core/controller.py lent_sd_worth)."""
+        """_lent_sd_rate as the choice weighs it: discounted unless SD on the lent cores
+        would go on (_lent_sd_continues; core/controller.py lent_sd_worth)."""
         return lent_sd_worth(self._lent_sd_rate(batch, now), self._lent_sd_continues())
 
     def _lent_sd_continues(self) -> bool:
@@ -358,8 +363,7 @@ class RegimeChoice:
         if ctl.policy != "auto" or ctl.force_lengths is not None or not self.target_cost.known:
             return True
         plain_s = self._plain_s()
-        if self._ssd_measured_ahead(batch, plain_s) or self._exploring_ssd:
-            return True  # measured ahead (the model that put it behind is overruled), or
-            # an exploration, which measures SSD as it is
+        if self._ssd_as_measured(batch, plain_s):
+            return True
         hit = Candidate(free=(self.acceptance.rate,) * self._cap, cap=self._cap)
         return speculation_pays([hit] * batch, self.target_cost.predict, plain_s)

@@ -384,11 +384,11 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
                 self._lent_sd, self._exploring_ssd = False, True
             self.stats.lent_sd_steps += self._lent_sd
             self._lent_sd_steps = self._lent_sd_steps + 1 if self._lent_sd else 0
-            new = self._any_new(updates)
-            steady = self._limit is None and not self._lent_sd and not new
+            ssd, new = self._limit is None and not self._lent_sd, self._any_new(updates)
+            steady = ssd and not new
             # the target's next step runs beside this call's pre-speculation, which
             # prefills a new prompt (its glue pass): not one of the target's own cost
-            self._beside_prefill = new and not self._lent_sd and self._limit is None
+            self._beside_prefill = ssd and new
             self._ssd_steps = self._ssd_steps + 1 if steady else 0
             self.team.use(self._lent_sd)  # lent_sd: the target waits, its cores are free
             # Saguaro sampling only pays with a cache to hit; plain SD drafts from plain q
