@@ -300,3 +300,15 @@ def test_lent_sd_pays_only_when_known_and_faster():
     assert lent_sd_pays(30.0, 31.0)
     assert not lent_sd_pays(30.0, 30.0) and not lent_sd_pays(30.0, 29.0)
     assert not lent_sd_pays(30.0, None)  # not measured yet: SSD
+
+
+def test_ssd_takes_over_from_sd_on_the_lent_cores_only_with_a_margin():
+    """continuing: SD on the lent cores runs already; SSD must be expected
+    SSD_ENTRY_MARGIN faster to take over (a switch costs both ways)."""
+    from vllm_saguaro.core.controller import SSD_ENTRY_MARGIN, lent_sd_pays
+
+    m = 1 + SSD_ENTRY_MARGIN
+    assert lent_sd_pays(30.0 * m * 0.99, 30.0, continuing=True)  # SSD ahead, not by the margin
+    assert not lent_sd_pays(30.0 * m * 1.01, 30.0, continuing=True)
+    assert not lent_sd_pays(30.0 * m * 0.99, 30.0)  # not running: merely ahead suffices
+    assert not lent_sd_pays(10.0, None, continuing=True)

@@ -742,6 +742,98 @@ def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     assert w._explore == 0  # another batch size: not tried there
 
 
+def test_a_try_that_did_not_pay_backs_off_the_next(tiny_target):
+    """A close idle after a try of SD on the lent cores (_wake) that did not pay: no wake
+    on new text, a recheck after LENT_TRY_BACKOFF_S, doubled for the next such try; a
+    try that pays (lent_sd_paid) ends the backoff."""
+    from vllm_saguaro.draft.regime import CLOSE_RECHECK_S, CLOSE_SHARE, LENT_TRY_BACKOFF_S
+
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    plain = 1 / w._plain_s()(1)
+    w._ssd_rate = lambda b, now: 0.0
+    w._lent_sd_rate = lambda b, now, measured=True: plain * (1 - CLOSE_SHARE / 2)
+    w.lent_sd_ever_paid.add(1)
+    advice = w._idle_limit(1)
+    assert advice.new_text and advice.recheck_s is None
+    for backoff in (LENT_TRY_BACKOFF_S, 2 * LENT_TRY_BACKOFF_S):
+        w._limit = advice
+        w._wake(1)  # the try
+        w._limit, w._explore = None, 0  # its rounds, which gave too little
+        advice = w._idle_limit(1)
+        assert advice.limit == 0 and not advice.new_text and advice.recheck_s == backoff
+    # a try that pays: the backoff ends
+    w._limit = advice
+    w._wake(1)
+    w._limit, w._explore = None, 0
+    now = time.perf_counter()
+    for _ in range(w.lent_sd_realized.min_rounds):
+        w.lent_sd_realized.observe(1, 2, 1.0 / plain, now)  # twice plain decoding's rate
+    w._last_call = (now - 1.0 / plain, 1, True)
+    w._observe_round([("a", [1, 2], None, None)], now)
+    assert 1 in w.lent_sd_paid
+    assert w._idle_limit(1).recheck_s == CLOSE_RECHECK_S and w._idle_limit(1).new_text
+
+
+def test_an_idle_tries_ssd_where_it_was_never_measured(tiny_target):
+    """An idle at a batch size where SSD never ran (nor was explored), its model within
+    SSD_TRY_SHARE of plain decoding: the recheck comes after CLOSE_RECHECK_S, and its
+    step starts an exploration of SSD (SSD_EXPLORE_ROUNDS). Not where the model is
+    further below, nor once SSD was explored or measured there."""
+    from vllm_saguaro.draft.regime import (CLOSE_RECHECK_S, SSD_EXPLORE_ROUNDS,
+                                           SSD_TRY_SHARE, IdleAdvice)
+
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    w._ssd_explored = {}
+    plain = 1 / w._plain_s()(1)
+    w._lent_sd_rate = lambda b, now, measured=True: None  # SSD alone
+    share = 1.0
+    w._expected_rate = lambda b: plain * share
+    w._ssd_rate = lambda b, now: plain * share
+    share = 1 - 2 * SSD_TRY_SHARE
+    assert w._idle_limit(1) == IdleAdvice(0, False)  # far below: the default recheck
+    share = 1 - SSD_TRY_SHARE / 2
+    w._limit = w._idle_limit(1)
+    assert w._limit == IdleAdvice(0, False, CLOSE_RECHECK_S)
+    w._wake(1)
+    assert w.stats.ssd_explores == 1 and w._ssd_exploration_goes_on(1)
+    assert w._ssd_explore == SSD_EXPLORE_ROUNDS - 1
+    assert w._idle_limit(1) == IdleAdvice(0, False)  # explored: no second try
+    w._ssd_explored = {}
+    for _ in range(w.realized.min_rounds):
+        w.realized.observe(1, 1, 1.0 / (share * plain), time.perf_counter())
+    assert w._idle_limit(1) == IdleAdvice(0, False)  # measured: nor here
+
+
+def test_speculation_against_plain_decoding_weighs_what_both_regimes_gave(tiny_target):
+    """Where both SSD and SD on the lent cores were measured at this batch size lately,
+    the idle decision weighs what they gave, as the choice between them does
+    (_weighed_rates): SSD's model above plain decoding does not hold speculation on
+    where both gave less."""
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    known, w.cfg.fallback = w.target_cost, "auto"  # (auto: a miss may cost no draft step)
+    w.target_cost = StepCost()  # the target's step not measured yet: SSD measures it
+    assert not w._lent_sd_step([("a", [1], None, None)])  # (no model: it would divide by 0)
+    w.target_cost, w.cfg.fallback = known, "neural"
+    plain = 1 / w._plain_s()(1)
+    w._ssd_rate = lambda b, now: 1.2 * plain  # the models: both ahead of plain decoding
+    w._lent_sd_rate = lambda b, now, measured=True: 1.02 * plain
+    w._lent_sd_steps = 1  # running
+    now = time.perf_counter()
+    for _ in range(w.realized.min_rounds):
+        w.realized.observe(1, 1, 1.0 / (0.8 * plain), now)  # SSD gave 0.8x plain decoding
+    assert w._idle_limit(1) is None  # SD on the lent cores not measured: the models
+    for _ in range(w.lent_sd_realized.min_rounds):
+        w.lent_sd_realized.observe(1, 1, 1.0 / (0.95 * plain), now)  # and it 0.95x
+    advice = w._idle_limit(1)
+    assert advice is not None and advice.limit == 0
+
+
 def test_the_fallback_drafts_on_while_its_tokens_are_likely(tiny_target, hf):
     """_draft_now drafts its planned steps, then more while `more` says so (up to K), the
     same greedy tokens as the planned ones; _draft_more says so where the last token's
@@ -1028,9 +1120,10 @@ def test_ssd_is_explored_where_sd_on_the_lent_cores_is_chosen(tiny_target, hf):
 
 def test_ssd_and_sd_on_the_lent_cores_both_measured_choose_by_what_they_gave(tiny_target):
     """Where both regimes were measured at this batch size lately (an exploration of
-    SSD), the choice goes by what they gave, SD on the lent cores taken up with its entry
-    margin (none where it ran before the exploration), whatever the models say."""
-    from vllm_saguaro.core.controller import LENT_SD_ENTRY_MARGIN
+    SSD), the choice goes by what they gave, whatever the models say: SD on the lent
+    cores taken up with its entry margin, and where it runs (or ran before the
+    exploration) SSD taking over with its own (SSD_ENTRY_MARGIN)."""
+    from vllm_saguaro.core.controller import LENT_SD_ENTRY_MARGIN, SSD_ENTRY_MARGIN
 
     w = lent_worker(tiny_target, regime="auto")
     w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
@@ -1043,15 +1136,16 @@ def test_ssd_and_sd_on_the_lent_cores_both_measured_choose_by_what_they_gave(tin
     for _ in range(w.lent_sd_realized.min_rounds):
         w.lent_sd_realized.observe(1, 2, 0.1, now)  # gave 20 tok/s
     assert 19.5 * (1 + LENT_SD_ENTRY_MARGIN) > 20.0 > 19.5  # entering, 20 counts as 19.05
-    for ssd, steps, taken in [(21.0, 3, False), (19.5, 0, False), (19.5, 3, True),
-                              (18.5, 0, True)]:
+    assert 20.0 * (1 + SSD_ENTRY_MARGIN) < 21.5  # running, SSD must give more than 21
+    for ssd, steps, taken in [(21.5, 3, False), (20.5, 3, True), (19.5, 0, False),
+                              (19.5, 3, True), (18.5, 0, True)]:
         w.realized.forget(1)
         for _ in range(w.realized.min_rounds):
             w.realized.observe(1, 1, 1.0 / ssd, now)
         w._lent_sd_steps = steps
         assert w._lent_sd_step(update) == taken, (ssd, steps)
         w._lent_sd_steps, w._ssd_explore_ended = 0, True  # the exploration's next step
-        assert w._lent_sd_step(update) == (ssd < 20.0), ssd
+        assert w._lent_sd_step(update) == (ssd < 20.0 * (1 + SSD_ENTRY_MARGIN)), ssd
         w._ssd_explore_ended = False
 
 

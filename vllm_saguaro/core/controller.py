@@ -158,7 +158,16 @@ def batch_limit(speculative_rate: Callable[[int], float], plain_s: Callable[[int
     return 0
 
 
-def lent_sd_pays(ssd_rate: float, lent_sd_rate: float | None) -> bool:
+# What SSD must be expected to gain over SD on the lent cores, as a share, to take over
+# from it (lent_sd_pays, continuing): the way back costs as well (SSD's first round after
+# a switch is a cold miss, and a switch to SD on the lent cores again pays
+# LENT_SD_ENTRY_MARGIN's cost). Traced at batch 1 (T = 1) without it: while SD on the
+# lent cores was tried after a close idle (no entry margin), its model and SSD's were
+# within 1% of each other and the regime changed from one step to the next.
+SSD_ENTRY_MARGIN = 0.05
+
+
+def lent_sd_pays(ssd_rate: float, lent_sd_rate: float | None, continuing: bool = False) -> bool:
     """Whether a batch size that speculates (it beats plain decoding) does it as SD on
     the lent cores rather than as SSD. On CPU the draft's "device" is a core taken from
     the target: SSD drafts on it while the target verifies on its own cores, SD on the
@@ -166,8 +175,14 @@ def lent_sd_pays(ssd_rate: float, lent_sd_rate: float | None) -> bool:
     batch 1 on the 2-core reference machine: the target's step on two cores is ~0.6x its
     step on one, so SD on both (K = 1) ran 1.01-1.04x plain decoding at T = 0 where SSD
     (its verification on one core) ran below it. None: not known yet (no lent cores, or
-    the draft's step not measured)."""
-    return lent_sd_rate is not None and lent_sd_rate > ssd_rate
+    the draft's step not measured). continuing: SD on the lent cores runs already, and
+    SSD takes over only where it is expected SSD_ENTRY_MARGIN faster (the other way, the
+    margin is lent_sd_worth's)."""
+    if lent_sd_rate is None:
+        return False
+    if continuing:
+        return lent_sd_rate * (1.0 + SSD_ENTRY_MARGIN) >= ssd_rate
+    return lent_sd_rate > ssd_rate
 
 
 # What SD on the lent cores must be expected to gain, as a share, to be taken up from a

@@ -53,6 +53,22 @@ LENT_REPROBE_KEEP = 0.1
 SSD_EXPLORE_ROUNDS = 48
 SSD_EXPLORE_S = 60.0
 
+# SSD is tried from an idle (_ssd_try_due: SSD_EXPLORE_ROUNDS of its rounds, on a recheck
+# after CLOSE_RECHECK_S) at a batch size where it was never measured and its model puts it
+# within SSD_TRY_SHARE of plain decoding: its model's line of the target's own step then
+# holds only the engine's first steps, and while idle nothing else measures it. Measured
+# at batch 1 (HumanEval, T = 0): those put the step at 66 ms (SSD's steady ones 54-60 in
+# the other start), SSD's model at 25.1 tok/s against plain decoding's 25.4, and the draft
+# idled through the whole run (0.94x plain vLLM; the other start ran SSD, 1.18x).
+SSD_TRY_SHARE = 0.25
+
+# A close idle after a try of SD on the lent cores that did not pay (_wake, _close_idle):
+# no wake on new text, a recheck after LENT_TRY_BACKOFF_S instead, doubled for each such
+# try in a row (up to 4x); a try that pays ends the backoff. Measured at batch 1 (T = 1,
+# HumanEval, 8 prompts): 6 tries on new text (min_rounds rounds each, about a whole
+# 64-token request at batch 1), and the set ran 0.94x plain vLLM.
+LENT_TRY_BACKOFF_S = 30.0
+
 
 class IdleAdvice(NamedTuple):
     """The draft may idle while the batch is larger than `limit`; `probe`: only to
@@ -134,6 +150,8 @@ class RegimeChoice:
             if lent_sd_worth(gave, continuing=False) > plain:
                 self.lent_sd_paid.add(last[1])
                 self.lent_sd_ever_paid.add(last[1])
+                self._lent_sd_tried.pop(last[1], None)  # a try that paid: no backoff
+                self._lent_sd_unpaid_tries.pop(last[1], None)
             elif gave < plain:
                 self.lent_sd_paid.discard(last[1])
         if self._lent_sd_steps >= 2 and target_s is not None:
@@ -174,8 +192,8 @@ class RegimeChoice:
         now = time.perf_counter()
 
         def rate(b: int) -> float:  # the better way to speculate at b
-            lent_sd = self._lent_sd_worth(b, now)
-            return max(self._ssd_rate(b, now), 0.0 if lent_sd is None else lent_sd)
+            ssd, lent_sd = self._weighed_rates(b, now)
+            return max(ssd, 0.0 if lent_sd is None else lent_sd)
 
         limit = batch_limit(rate, plain, max_batch=batch)
         if limit < batch:
@@ -208,7 +226,8 @@ class RegimeChoice:
     def _close_idle(self, limit: int, batch: int, plain_s) -> IdleAdvice:
         """The idle, and when to ask again where it is a close one: SD on the lent cores'
         model puts it within CLOSE_SHARE of plain decoding (what it gave, or the entry
-        margin, held it off). Text moves on, and while idle nothing measures it.
+        margin, held it off), or SSD is to be tried (_ssd_try_due: after CLOSE_RECHECK_S).
+        Text moves on, and while idle nothing measures it.
 
         After CLOSE_RECHECK_S where it has paid before (lent_sd_paid). Measured at batch
         1 (HumanEval after MT-Bench on one engine): a prompt whose drafts were rejected
@@ -221,22 +240,52 @@ class RegimeChoice:
         On new text where it ever paid (lent_sd_ever_paid): what held it off measured
         requests that are gone. Measured at batch 1: after that HumanEval prompt had
         put it below plain decoding (no longer paid), the draft idled through the rest
-        of the set while the model still put it at 28.6 tok/s against 26.5."""
+        of the set while the model still put it at 28.6 tok/s against 26.5.
+
+        Neither after a try that did not pay (_wake): a recheck after LENT_TRY_BACKOFF_S,
+        doubled for each such try in a row."""
+        plain = batch / max(plain_s(batch), 1e-9)
+        self._ssd_try_batch = batch if self._ssd_try_due(batch, plain) else None
+        if self._ssd_try_batch is not None:
+            return IdleAdvice(limit, probe=False, recheck_s=CLOSE_RECHECK_S)
         expected = self._lent_sd_rate(batch, time.perf_counter(), measured=False)
-        if expected is None or expected < (1.0 - CLOSE_SHARE) * batch / max(plain_s(batch), 1e-9):
+        if expected is None or expected < (1.0 - CLOSE_SHARE) * plain:
             return IdleAdvice(limit, probe=False)
+        if self._lent_sd_tried.pop(batch, False):  # a try since the last close idle, unpaid
+            self._lent_sd_unpaid_tries[batch] = self._lent_sd_unpaid_tries.get(batch, 0) + 1
+        unpaid = self._lent_sd_unpaid_tries.get(batch, 0)
+        if unpaid:  # (LENT_TRY_BACKOFF_S)
+            return IdleAdvice(limit, probe=False,
+                              recheck_s=LENT_TRY_BACKOFF_S * 2 ** min(unpaid - 1, 2))
         return IdleAdvice(limit, probe=False,
                           recheck_s=CLOSE_RECHECK_S if batch in self.lent_sd_paid else None,
                           new_text=batch in self.lent_sd_ever_paid)
+
+    def _ssd_try_due(self, batch: int, plain: float) -> bool:
+        """Whether an idle at this batch size is to try SSD on its recheck (SSD_TRY_SHARE):
+        SSD an option, never measured nor explored there, its model within the share of
+        plain decoding's rate (plain)."""
+        if not self.cfg.async_ or self.cfg.controller.regime == "lent_sd":
+            return False
+        if batch in self._ssd_explored or self.realized.rounds(batch) >= self.realized.min_rounds:
+            return False
+        return self._expected_rate(batch) >= (1.0 - SSD_TRY_SHARE) * plain
 
     def _wake(self, batch: int) -> None:
         """The first step after a close idle (IdleAdvice.recheck_s or new_text): try SD
         on the lent cores for as many steps as its measurement needs (min_rounds), by
         the model alone (its stale measurement forgotten, no entry margin), so that the
-        next decision sees the text running now."""
-        if self._limit is not None and (self._limit.recheck_s is not None or self._limit.new_text):
+        next decision sees the text running now; or, where the idle said so
+        (SSD_TRY_SHARE), explore SSD (SSD_EXPLORE_ROUNDS)."""
+        try_ssd, self._ssd_try_batch = self._ssd_try_batch, None
+        if self._limit is not None and try_ssd == batch:  # (the exploration's first step)
+            self._ssd_explored[batch] = time.perf_counter()
+            self._ssd_explore, self._ssd_explore_batch = SSD_EXPLORE_ROUNDS, batch
+            self.stats.ssd_explores += 1
+        elif self._limit is not None and (self._limit.recheck_s is not None or self._limit.new_text):
             self.lent_sd_realized.forget(batch)
             self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
+            self._lent_sd_tried[batch] = True  # (_close_idle's backoff)
             self.stats.lent_sd_explores += 1
         elif self._explore > 0:  # another batch size: its own decision
             self._explore = self._explore - 1 if batch == self._explore_batch else 0
@@ -311,11 +360,6 @@ class RegimeChoice:
                         for k in range(1, self._cap + 1)), default=0.0)
         return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
 
-    def _lent_sd_worth(self, batch: int, now: float) -> float | None:
-        """_lent_sd_rate as the choice weighs it: discounted unless SD on the lent cores
-        would go on (_lent_sd_continues; core/controller.py lent_sd_worth)."""
-        return lent_sd_worth(self._lent_sd_rate(batch, now), self._lent_sd_continues())
-
     def _lent_sd_continues(self) -> bool:
         """SD on the lent cores would go on, not be taken up (lent_sd_worth's margin): the
         last step was one, or tries it after a close idle (_explore), or ended an
@@ -334,14 +378,26 @@ class RegimeChoice:
             return False
         if regime == "lent_sd":
             return True
-        now, batch = time.perf_counter(), len(updates)
-        lent_sd = self._lent_sd_worth(batch, now)
-        if lent_sd is None or not self.target_cost.known:  # SSD's rounds measure it first
+        if not self.target_cost.known:  # SSD's rounds measure it first
             return False
-        gave = self.realized.rate(batch, now), self.lent_sd_realized.rate(batch, now)
-        if None not in gave:  # both measured (an exploration of SSD): what they gave
-            return lent_sd_pays(gave[0], lent_sd_worth(gave[1], self._lent_sd_continues()))
-        return lent_sd_pays(self._ssd_rate(batch, now), lent_sd)
+        ssd, lent_sd = self._weighed_rates(len(updates), time.perf_counter())
+        return lent_sd_pays(ssd, lent_sd, continuing=self._lent_sd_continues())
+
+    def _weighed_rates(self, batch: int, now: float) -> tuple[float, float | None]:
+        """SSD's and SD on the lent cores' rates at this batch size as the regime's choice
+        weighs them, against each other and against plain decoding alike: where both
+        were measured lately (an exploration of SSD), what they gave; else their models
+        clamped to what they gave (_ssd_rate, _lent_sd_rate). SD on the lent cores' with
+        its entry margin (lent_sd_worth). Measured before, at batch 1 (T = 1), where only
+        the choice between the two used what they gave: SSD's model (28.1 tok/s) held
+        speculation above plain decoding (27.6), and SD on the lent cores then ran, at
+        26.4, since SSD had given 23.8."""
+        continuing = self._lent_sd_continues()
+        if self.cfg.controller.regime == "auto" and self._lent_sd_rate(batch, now) is not None:
+            gave = self.realized.rate(batch, now), self.lent_sd_realized.rate(batch, now)
+            if None not in gave:
+                return gave[0], lent_sd_worth(gave[1], continuing)
+        return self._ssd_rate(batch, now), lent_sd_worth(self._lent_sd_rate(batch, now), continuing)
 
     def _expected_rate(self, batch: int) -> float:
         """Tokens per second speculation is expected to give at this batch size."""

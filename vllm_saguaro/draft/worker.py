@@ -179,13 +179,18 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         # and where it ever did (a close idle there ends on new text)
         self.lent_sd_paid: set[int] = set()
         self.lent_sd_ever_paid: set[int] = set()
-        # steps left that try SD on the lent cores after a close idle, at this batch size
+        # steps left that try SD on the lent cores after a close idle, at this batch size;
+        # per batch size, a try since the last close idle there that has not paid, and
+        # how many such tries in a row did not (regime.py LENT_TRY_BACKOFF_S)
         self._explore, self._explore_batch = 0, 0
+        self._lent_sd_tried: dict[int, bool] = {}
+        self._lent_sd_unpaid_tries: dict[int, int] = {}
         # an exploration of SSD (regime.py SSD_EXPLORE_ROUNDS): this step is one, the
         # steps left after it and its batch size, when one last started per batch size
         self._exploring_ssd = self._ssd_explore_ended = False  # (and it ended last step)
         self._ssd_explore, self._ssd_explore_batch = 0, 0
         self._ssd_explored: dict[int, float] = {}
+        self._ssd_try_batch: int | None = None  # an idle there tries SSD on waking
         # steps in a row that were SSD's on continuing sequences (not idle, not lent_sd,
         # none new), up to the last one: the realized rate measures SSD from the second
         # on (the first after a switch or a new request is a cold miss: measured at

@@ -59,6 +59,9 @@ class DraftSupervisor:
             value = self.runtime.get(ref, self.policy.deadline(prefill_tokens))
         except Exception as error:  # died, raised, timed out: all end in a plain round
             self.failed(f"{what}: {describe(error)}")
+            # the warning has the first line; where it was raised, in the worker's
+            # process (process_actor._failure), goes to the log file below it
+            logger.info("Saguaro: the draft worker's error in full: %s", error)
             raise DraftUnavailable(self.last_cause) from error
         self.policy.replied(time.perf_counter() - t0)
         return value
