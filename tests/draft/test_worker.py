@@ -776,12 +776,13 @@ def test_a_try_that_did_not_pay_backs_off_the_next(tiny_target):
     assert w._idle_limit(1).recheck_s == CLOSE_RECHECK_S and w._idle_limit(1).new_text
 
 
-def test_an_idle_tries_ssd_where_it_was_never_measured(tiny_target):
-    """An idle at a batch size where SSD never ran (nor was explored), its model within
-    SSD_TRY_SHARE of plain decoding: the recheck comes after CLOSE_RECHECK_S, and its
-    step starts an exploration of SSD (SSD_EXPLORE_ROUNDS). Not where the model is
-    further below, nor once SSD was explored or measured there."""
-    from vllm_saguaro.draft.regime import (CLOSE_RECHECK_S, SSD_EXPLORE_ROUNDS,
+def test_an_idle_tries_ssd_where_it_was_not_measured_lately(tiny_target):
+    """An idle at a batch size where SSD was neither measured nor explored for
+    SSD_EXPLORE_S, its model within SSD_TRY_SHARE of plain decoding: the recheck comes
+    after CLOSE_RECHECK_S, and its step starts an exploration of SSD
+    (SSD_EXPLORE_ROUNDS). Not where the model is further below, nor within SSD_EXPLORE_S
+    of an exploration, nor while what SSD gave is known."""
+    from vllm_saguaro.draft.regime import (CLOSE_RECHECK_S, SSD_EXPLORE_ROUNDS, SSD_EXPLORE_S,
                                            SSD_TRY_SHARE, IdleAdvice)
 
     w = lent_worker(tiny_target, regime="auto")
@@ -801,11 +802,17 @@ def test_an_idle_tries_ssd_where_it_was_never_measured(tiny_target):
     w._wake(1)
     assert w.stats.ssd_explores == 1 and w._ssd_exploration_goes_on(1)
     assert w._ssd_explore == SSD_EXPLORE_ROUNDS - 1
-    assert w._idle_limit(1) == IdleAdvice(0, False)  # explored: no second try
-    w._ssd_explored = {}
+    w._ssd_explore = 0
+    assert w._idle_limit(1) == IdleAdvice(0, False)  # explored just now: no second try
+    w._ssd_explored[1] -= SSD_EXPLORE_S + 1
+    assert w._idle_limit(1) == IdleAdvice(0, False, CLOSE_RECHECK_S)  # a minute on: again
     for _ in range(w.realized.min_rounds):
         w.realized.observe(1, 1, 1.0 / (share * plain), time.perf_counter())
-    assert w._idle_limit(1) == IdleAdvice(0, False)  # measured: nor here
+    assert w._idle_limit(1) == IdleAdvice(0, False)  # what SSD gave is known: no try
+    w.realized.forget(1)
+    w._limit = w._idle_limit(1)  # a try again, but woken at another batch size: neither
+    w._wake(2)  # SSD's try nor SD on the lent cores' (whose recheck it is not)
+    assert w._explore == 0 and w.stats.lent_sd_explores == 0 and w.stats.ssd_explores == 1
 
 
 def test_speculation_against_plain_decoding_weighs_what_both_regimes_gave(tiny_target):

@@ -54,12 +54,15 @@ SSD_EXPLORE_ROUNDS = 48
 SSD_EXPLORE_S = 60.0
 
 # SSD is tried from an idle (_ssd_try_due: SSD_EXPLORE_ROUNDS of its rounds, on a recheck
-# after CLOSE_RECHECK_S) at a batch size where it was never measured and its model puts it
-# within SSD_TRY_SHARE of plain decoding: its model's line of the target's own step then
-# holds only the engine's first steps, and while idle nothing else measures it. Measured
-# at batch 1 (HumanEval, T = 0): those put the step at 66 ms (SSD's steady ones 54-60 in
-# the other start), SSD's model at 25.1 tok/s against plain decoding's 25.4, and the draft
-# idled through the whole run (0.94x plain vLLM; the other start ran SSD, 1.18x).
+# after CLOSE_RECHECK_S) at a batch size where it was not measured nor explored for
+# SSD_EXPLORE_S and its model puts it within SSD_TRY_SHARE of plain decoding: while idle
+# nothing else measures it, and its model runs low. Measured at batch 1 (HumanEval,
+# T = 0): the engine's cold first steps put the target's own step at 66 ms (SSD's steady
+# ones 54-60 in the other start), SSD's model at 25.1 tok/s against plain decoding's
+# 25.4, and the draft idled through the whole run (0.94x plain vLLM; the other start ran
+# SSD, 1.18x). Tried once per batch size only, HumanEval after MT-Bench on one engine
+# idled in 61% of its rounds (SSD 0.77x the schedule), where the model's one a_p for
+# every position misses the runs of accepted tokens on code.
 SSD_TRY_SHARE = 0.25
 
 # A close idle after a try of SD on the lent cores that did not pay (_wake, _close_idle):
@@ -263,11 +266,14 @@ class RegimeChoice:
 
     def _ssd_try_due(self, batch: int, plain: float) -> bool:
         """Whether an idle at this batch size is to try SSD on its recheck (SSD_TRY_SHARE):
-        SSD an option, never measured nor explored there, its model within the share of
-        plain decoding's rate (plain)."""
+        SSD an option, neither measured (RealizedRate: kept SSD_EXPLORE_S) nor explored
+        there for SSD_EXPLORE_S, its model within the share of plain decoding's rate
+        (plain)."""
         if not self.cfg.async_ or self.cfg.controller.regime == "lent_sd":
             return False
-        if batch in self._ssd_explored or self.realized.rounds(batch) >= self.realized.min_rounds:
+        now = time.perf_counter()
+        if (now - self._ssd_explored.get(batch, -SSD_EXPLORE_S) < SSD_EXPLORE_S
+                or self.realized.rate(batch, now) is not None):
             return False
         return self._expected_rate(batch) >= (1.0 - SSD_TRY_SHARE) * plain
 
@@ -282,7 +288,8 @@ class RegimeChoice:
             self._ssd_explored[batch] = time.perf_counter()
             self._ssd_explore, self._ssd_explore_batch = SSD_EXPLORE_ROUNDS, batch
             self.stats.ssd_explores += 1
-        elif self._limit is not None and (self._limit.recheck_s is not None or self._limit.new_text):
+        elif (self._limit is not None and try_ssd is None
+              and (self._limit.recheck_s is not None or self._limit.new_text)):
             self.lent_sd_realized.forget(batch)
             self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
             self._lent_sd_tried[batch] = True  # (_close_idle's backoff)
@@ -392,12 +399,12 @@ class RegimeChoice:
         the choice between the two used what they gave: SSD's model (28.1 tok/s) held
         speculation above plain decoding (27.6), and SD on the lent cores then ran, at
         26.4, since SSD had given 23.8."""
-        continuing = self._lent_sd_continues()
-        if self.cfg.controller.regime == "auto" and self._lent_sd_rate(batch, now) is not None:
+        continuing, lent_sd = self._lent_sd_continues(), self._lent_sd_rate(batch, now)
+        if self.cfg.controller.regime == "auto" and lent_sd is not None:
             gave = self.realized.rate(batch, now), self.lent_sd_realized.rate(batch, now)
             if None not in gave:
                 return gave[0], lent_sd_worth(gave[1], continuing)
-        return self._ssd_rate(batch, now), lent_sd_worth(self._lent_sd_rate(batch, now), continuing)
+        return self._ssd_rate(batch, now), lent_sd_worth(lent_sd, continuing)
 
     def _expected_rate(self, batch: int) -> float:
         """Tokens per second speculation is expected to give at this batch size."""
