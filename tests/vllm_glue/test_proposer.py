@@ -371,3 +371,21 @@ def test_transport_resolves_to_the_channel_backend_the_devices_allow(tiny_target
     assert backend("channel", "cpu", "cpu") == "gloo"            # the CPU test of the path
     assert backend("channel", "cuda:1", "cpu") == "gloo"
     assert backend("ray", "cuda:1", "cuda:0") is None
+
+
+def test_target_placement_warns_only_where_the_draft_cores_are_not_lent(monkeypatch, caplog):
+    """A target thread on the draft's core: a warning where the cores are not lent (vLLM
+    did not bind the target), none where they are (the lent team's thread is there by
+    design)."""
+    import logging
+    from types import SimpleNamespace
+
+    from vllm_saguaro.vllm_glue import proposer
+
+    monkeypatch.setattr(proposer, "process_threads",
+                        lambda: [SimpleNamespace(cores=[0]), SimpleNamespace(cores=[1])])
+    with caplog.at_level(logging.WARNING, logger="vllm_saguaro"):
+        proposer.check_target_placement([1], lent=True)
+        assert not caplog.records
+        proposer.check_target_placement([1])
+    assert len(caplog.records) == 1 and "[1]" in caplog.records[0].getMessage()

@@ -107,9 +107,13 @@ def bind_in_process_target(draft: list[int]) -> None:
         logger.info("Saguaro: in-process engine, target thread bound to cores %s", sorted(cores))
 
 
-def check_target_placement(draft: list[int]) -> None:
+def check_target_placement(draft: list[int], lent: bool = False) -> None:
     """Multiprocess engines: vLLM bound this worker's threads (patches.patch_omp_binding);
-    say so once if they can still reach the draft's cores (VLLM_CPU_OMP_THREADS_BIND=nobind)."""
+    say so once if they can still reach the draft's cores (VLLM_CPU_OMP_THREADS_BIND=nobind).
+    Not where the draft's cores are lent (lending.py): the target's team has a thread
+    there by design, and the warning stood in every such engine's log."""
+    if lent:
+        return
     shared = sorted({c for t in process_threads() for c in t.cores} & set(draft))
     if shared:
         logger.warning("Saguaro: target threads may run on the draft's cores %s (target not "
@@ -176,8 +180,6 @@ class SaguaroProposer:
                                    "the engine with speculative_config method 'saguaro'")
             if self.in_process:
                 bind_in_process_target(cfg.draft_cpu_cores)
-            else:
-                check_target_placement(cfg.draft_cpu_cores)
             ctl = cfg.controller
             if ctl.idle and ctl.lend_cores and ctl.policy == "auto" and not self.in_process:
                 from vllm_saguaro.vllm_glue.lending import CoreLending, lending_binding
@@ -193,6 +195,8 @@ class SaguaroProposer:
                 from vllm_saguaro.vllm_glue.lending import keep_off_the_draft_cores
 
                 keep_off_the_draft_cores()
+            if not self.in_process:
+                check_target_placement(cfg.draft_cpu_cores, lent=self.lending is not None)
         else:
             check_draft_gpu(cfg, self.target_device)
         sup = cfg.supervision
