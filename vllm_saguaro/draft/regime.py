@@ -153,7 +153,7 @@ class RegimeChoice:
             if lent_sd_worth(gave, continuing=False) > plain:
                 self.lent_sd_paid.add(last[1])
                 self.lent_sd_ever_paid.add(last[1])
-                self._lent_sd_tried.pop(last[1], None)  # a try that paid: no backoff
+                self._lent_sd_tried.discard(last[1])  # a try that paid: no backoff
                 self._lent_sd_unpaid_tries.pop(last[1], None)
             elif gave < plain:
                 self.lent_sd_paid.discard(last[1])
@@ -254,7 +254,8 @@ class RegimeChoice:
         expected = self._lent_sd_rate(batch, time.perf_counter(), measured=False)
         if expected is None or expected < (1.0 - CLOSE_SHARE) * plain:
             return IdleAdvice(limit, probe=False)
-        if self._lent_sd_tried.pop(batch, False):  # a try since the last close idle, unpaid
+        if batch in self._lent_sd_tried:  # a try since the last close idle, unpaid
+            self._lent_sd_tried.discard(batch)
             self._lent_sd_unpaid_tries[batch] = self._lent_sd_unpaid_tries.get(batch, 0) + 1
         unpaid = self._lent_sd_unpaid_tries.get(batch, 0)
         if unpaid:  # (LENT_TRY_BACKOFF_S)
@@ -269,11 +270,8 @@ class RegimeChoice:
         SSD an option, neither measured (RealizedRate: kept SSD_EXPLORE_S) nor explored
         there for SSD_EXPLORE_S, its model within the share of plain decoding's rate
         (plain)."""
-        if not self.cfg.async_ or self.cfg.controller.regime == "lent_sd":
-            return False
-        now = time.perf_counter()
-        if (now - self._ssd_explored.get(batch, -SSD_EXPLORE_S) < SSD_EXPLORE_S
-                or self.realized.rate(batch, now) is not None):
+        if (not self.cfg.async_ or self.cfg.controller.regime == "lent_sd"
+                or not self._ssd_unmeasured(batch, time.perf_counter())):
             return False
         return self._expected_rate(batch) >= (1.0 - SSD_TRY_SHARE) * plain
 
@@ -284,15 +282,14 @@ class RegimeChoice:
         next decision sees the text running now; or, where the idle said so
         (SSD_TRY_SHARE), explore SSD (SSD_EXPLORE_ROUNDS)."""
         try_ssd, self._ssd_try_batch = self._ssd_try_batch, None
-        if self._limit is not None and try_ssd == batch:  # (the exploration's first step)
-            self._ssd_explored[batch] = time.perf_counter()
-            self._ssd_explore, self._ssd_explore_batch = SSD_EXPLORE_ROUNDS, batch
-            self.stats.ssd_explores += 1
+        if self._limit is not None and try_ssd == batch:
+            # this step's _ssd_exploration_goes_on counts it as the first
+            self._start_ssd_exploration(batch, SSD_EXPLORE_ROUNDS)
         elif (self._limit is not None and try_ssd is None
               and (self._limit.recheck_s is not None or self._limit.new_text)):
             self.lent_sd_realized.forget(batch)
             self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
-            self._lent_sd_tried[batch] = True  # (_close_idle's backoff)
+            self._lent_sd_tried.add(batch)  # (_close_idle's backoff)
             self.stats.lent_sd_explores += 1
         elif self._explore > 0:  # another batch size: its own decision
             self._explore = self._explore - 1 if batch == self._explore_batch else 0
@@ -319,13 +316,25 @@ class RegimeChoice:
             return False  # (_explore: trying SD on the lent cores after a close idle)
         now = time.perf_counter()
         if (self.lent_sd_realized.rate(batch, now) is None  # what it gives: measured first
-                or self.realized.rate(batch, now) is not None
-                or now - self._ssd_explored.get(batch, -SSD_EXPLORE_S) < SSD_EXPLORE_S):
+                or not self._ssd_unmeasured(batch, now)):
             return False
-        self._ssd_explored[batch] = now
-        self._ssd_explore, self._ssd_explore_batch = SSD_EXPLORE_ROUNDS - 1, batch
-        self.stats.ssd_explores += 1
+        self._start_ssd_exploration(batch, SSD_EXPLORE_ROUNDS - 1)  # this step is one
         return True
+
+    def _ssd_unmeasured(self, batch: int, now: float) -> bool:
+        """SSD neither measured at this batch size (RealizedRate: what it gave is kept
+        SSD_EXPLORE_S) nor explored there for SSD_EXPLORE_S: an exploration may start
+        (_ssd_explore_due, _ssd_try_due)."""
+        return (self.realized.rate(batch, now) is None
+                and now - self._ssd_explored.get(batch, -SSD_EXPLORE_S) >= SSD_EXPLORE_S)
+
+    def _start_ssd_exploration(self, batch: int, left: int) -> None:
+        """An exploration of SSD at this batch size (SSD_EXPLORE_ROUNDS): `left`, the
+        steps _ssd_exploration_goes_on counts down from its next call (in _wake, this
+        very step's)."""
+        self._ssd_explored[batch] = time.perf_counter()
+        self._ssd_explore, self._ssd_explore_batch = left, batch
+        self.stats.ssd_explores += 1
 
     def _any_new(self, updates: list[Update]) -> bool:
         """A new or resynced sequence in the batch (its prompt for the draft to prefill)."""

@@ -183,7 +183,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         # per batch size, a try since the last close idle there that has not paid, and
         # how many such tries in a row did not (regime.py LENT_TRY_BACKOFF_S)
         self._explore, self._explore_batch = 0, 0
-        self._lent_sd_tried: dict[int, bool] = {}
+        self._lent_sd_tried: set[int] = set()
         self._lent_sd_unpaid_tries: dict[int, int] = {}
         # an exploration of SSD (regime.py SSD_EXPLORE_ROUNDS): this step is one, the
         # steps left after it and its batch size, when one last started per batch size

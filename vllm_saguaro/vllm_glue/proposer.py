@@ -452,7 +452,7 @@ class SaguaroProposer:
         try:
             channel = TensorChannel(address, 0, self.channel_backend, timeout, device=device)
         except Exception as error:
-            self.supervisor.failed(f"channel: {describe(error)}")
+            self.supervisor.failed(f"channel: {describe(error)}", error)
             raise DraftUnavailable(self.supervisor.last_cause) from error
         self.supervisor.get(ref, "channel")
         self.channel = channel
@@ -470,7 +470,7 @@ class SaguaroProposer:
             (counts,) = self.channel.recv([((n, head), "torch.int16")])
         except Exception as error:  # the worker died after replying: a failure as any
             self.channel = None
-            self.supervisor.failed(f"channel: {describe(error)}")
+            self.supervisor.failed(f"channel: {describe(error)}", error)
             raise DraftUnavailable(self.supervisor.last_cause) from error
         out, at = [], 0
         for tokens, flag, q in results:

@@ -58,10 +58,7 @@ class DraftSupervisor:
         try:
             value = self.runtime.get(ref, self.policy.deadline(prefill_tokens))
         except Exception as error:  # died, raised, timed out: all end in a plain round
-            self.failed(f"{what}: {describe(error)}")
-            # the warning has the first line; where it was raised, in the worker's
-            # process (process_actor._failure), goes to the log file below it
-            logger.info("Saguaro: the draft worker's error in full: %s", error)
+            self.failed(f"{what}: {describe(error)}", error)
             raise DraftUnavailable(self.last_cause) from error
         self.policy.replied(time.perf_counter() - t0)
         return value
@@ -70,13 +67,17 @@ class DraftSupervisor:
         """Whether a call's reply (or its failure) is in, without waiting."""
         return self.runtime.ready(ref)
 
-    def failed(self, cause: str) -> None:
+    def failed(self, cause: str, error: BaseException | None = None) -> None:
+        """The worker is down (cause: one line for the warning). The error itself, with
+        where the worker raised it (process_actor._failure), goes to the log below it."""
         delay = self.policy.fail(time.monotonic())
         self.last_cause = cause
         self.on_event("failure")
         logger.warning("Saguaro: the draft worker failed (%s); decoding without speculation, "
                        "a new worker starts in %.1f s (failure %d in a row)",
                        cause, delay, self.policy.failures)
+        if error is not None:
+            logger.info("Saguaro: the draft worker's error in full: %s", error)
         self._kill()
 
     def available(self) -> bool:
@@ -91,7 +92,7 @@ class DraftSupervisor:
                 self.actor = self._start(self.policy.restarts)
                 self._ready = self.actor.ping.remote()
             except Exception as error:  # Ray itself refused: try again later
-                self.failed(f"restart: {describe(error)}")
+                self.failed(f"restart: {describe(error)}", error)
                 return False
         if self.policy.state != "starting":
             return False
@@ -102,7 +103,7 @@ class DraftSupervisor:
         try:
             self.runtime.get(self._ready, 0)
         except Exception as error:
-            self.failed(f"restart: {describe(error)}")
+            self.failed(f"restart: {describe(error)}", error)
             return False
         self.policy.started(now)
         self.resync = True
