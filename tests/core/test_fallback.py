@@ -1,4 +1,6 @@
-from vllm_saguaro.core.fallback import ngram_draft
+import pytest
+
+from vllm_saguaro.core.fallback import MatchAcceptance, ngram_draft, ngram_match
 
 
 def test_ngram_draft_continues_the_latest_match():
@@ -9,3 +11,52 @@ def test_ngram_draft_continues_the_latest_match():
     assert ngram_draft([4, 4], 3) == [4, 4, 4]       # a match at the end continues into itself
     assert ngram_draft([1, 2, 3], 2) == [3, 3]       # no match: repeat the last token
     assert ngram_draft([9], 2) == [9, 9]
+
+
+def test_ngram_match_says_how_long_a_match_its_draft_continues():
+    assert ngram_match([1, 2, 3, 1, 2], 3) == ([3, 1, 2], 2, 5)
+    assert ngram_match([5, 1, 2, 3, 9, 1, 2, 3], 2) == ([9, 1], 3, 8)  # the longest first
+    assert ngram_match([1, 2, 3], 2) == ([3, 3], 0, 3)                 # no match
+    assert ngram_match([7, 8, 7], 1, max_n=1) == ([8], 1, 3)
+
+
+def test_match_acceptance_by_match_length():
+    """One fit per match length, from its own drafts; the shares count the drafts made."""
+    m = MatchAcceptance(priors=(0.1, 0.3), decay=1.0)
+    assert m.shares() == [1.0, 0.0] and m.overall == pytest.approx(m.rate(0))
+    for _ in range(40):
+        m.note(1)
+        m.observe(1, 3, 3)      # long matches: every token accepted
+        m.note(0)
+        m.observe(0, 0, 1)      # none: the first token rejected
+    assert m.rate(1) > 0.9 and m.rate(0) < 0.05
+    assert m.shares() == [0.5, 0.5]
+    assert m.overall == pytest.approx((m.rate(0) + m.rate(1)) / 2)
+    m.note(1)
+    m.note(1)
+    assert m.shares()[1] == pytest.approx(42 / 82)
+
+
+def _reference_ngram_draft(tokens, k, max_n=3):
+    """The plain form: every n from max_n down, every start from the end."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), 0, -1):
+        tail = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == tail:
+                seq = list(tokens)
+                for i in range(k):
+                    seq.append(seq[start + n + i])
+                return seq[length:], n
+    return [tokens[-1]] * k, 0
+
+
+def test_ngram_match_agrees_with_the_plain_search():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        tokens = [rng.randrange(rng.choice([2, 4, 30])) for _ in range(rng.randrange(1, 40))]
+        k, max_n = rng.randrange(1, 5), rng.randrange(1, 5)
+        got = ngram_match(tokens, k, max_n)
+        assert (got.tokens, got.n) == _reference_ngram_draft(tokens, k, max_n), (tokens, k, max_n)

@@ -124,3 +124,26 @@ def test_rates_from_measured_costs():
     assert ssd_rate(0.6, 3, 1.0, 1, target, draft, overhead_s=0.02) == pytest.approx(e / 0.086)
     assert sd_rate(0.6, 3, 1, target, draft, overhead_s=0.02) == pytest.approx(e / (0.066 + 0.05))
     assert ssd_rate(0.6, 0, 0.5, 4, target, draft, overhead_s=0.02) == target_alone_rate(4, target)
+
+
+def test_ssd_rate_with_the_fast_backup_serving_a_share_of_the_misses():
+    """ssd_rate's `fast`: the misses the fast backup serves (by match length) draft
+    nothing, the rest wait for the neural fallback; the two extremes are the all-neural
+    and the all-fast forms."""
+    from vllm_saguaro.core.theory import ssd_rate
+
+    target = lambda w: 0.05 + 0.004 * w  # noqa: E731
+    draft = lambda rows: 0.01 * rows  # noqa: E731
+    e, e9 = expected_tokens_per_round(0.6, 3), expected_tokens_per_round(0.9, 3)
+    # batch 1, half the misses with a good match (0.9): a miss waits half the time
+    mixed = ssd_rate(0.6, 3, 0.5, 1, target, draft, fast=[(0.5, 0.9), (0.0, 0.1)])
+    tokens = 0.5 * e + 0.5 * (0.5 * e9 + 0.5 * e)
+    assert mixed == pytest.approx(tokens / (target(4) + 0.25 * 3 * 0.01))
+    # batch 4: a row needs the neural one with chance 0.25, the round with 1 - 0.75^4
+    mixed4 = ssd_rate(0.6, 3, 0.5, 4, target, draft, fast=[(0.5, 0.9)])
+    assert mixed4 == pytest.approx(4 * tokens / (target(16) + (1 - 0.75 ** 4) * 3 * 0.01))
+    assert ssd_rate(0.6, 3, 0.5, 4, target, draft, fast=[]) == ssd_rate(0.6, 3, 0.5, 4, target, draft)
+    assert ssd_rate(0.6, 3, 0.5, 4, target, draft, fast=[(0.3, 0.9), (0.7, 0.9)]) == pytest.approx(
+        ssd_rate(0.6, 3, 0.5, 4, target, draft, a_fast=0.9))
+    assert mixed > ssd_rate(0.6, 3, 0.5, 1, target, draft) > ssd_rate(0.6, 3, 0.5, 1, target, draft,
+                                                                      a_fast=0.1)

@@ -1005,19 +1005,19 @@ def test_the_fast_backup_is_measured_where_it_does_not_draft(tiny_target, hf):
     acceptance stayed at the 0.2 prior, and SSD's model (which serves misses with it) ran
     19-23 tok/s where SSD pinned ran 29-36 with that acceptance measured at 0.65-0.69.
     Not with `fallback: neural` (no fast backup to measure)."""
-    from vllm_saguaro.core.fallback import ngram_draft
+    from vllm_saguaro.core.fallback import FastDraft, ngram_match
     from vllm_saguaro.draft.state import SeqState
 
     w = lent_worker(tiny_target, regime="lent_sd")
     w.cfg.fallback = "auto"
-    fit = w.fast_acceptance
     st = SeqState(tokens=[1, 2, 3])
-    for shadow, sampled, accepted, rejected in [([4, 5, 6], [4, 5, 9], 2, 1),
-                                                ([4, 5, 6], [4, 5], 2, 0),
-                                                ([7, 8, 9], [4], 0, 1),
-                                                ([4], [4, 5, 6], 1, 0)]:
+    for shadow, n, sampled, accepted, rejected in [([4, 5, 6], 2, [4, 5, 9], 2, 1),
+                                                   ([4, 5, 6], 2, [4, 5], 2, 0),
+                                                   ([7, 8, 9], 0, [4], 0, 1),
+                                                   ([4], 3, [4, 5, 6], 1, 0)]:
+        fit = w.fast_acceptance.fits[n]  # the fit of its match length
         a0, r0 = fit.accepted, fit.rejected
-        st.shadow_fast, st.spec = shadow, []
+        st.shadow_fast, st.spec = FastDraft(shadow, n, 3), []
         w._observe_outcome(st, sampled)
         assert (fit.accepted - a0 * fit.decay, fit.rejected - r0 * fit.decay) == pytest.approx(
             (accepted, rejected)) and st.shadow_fast is None
@@ -1027,7 +1027,7 @@ def test_the_fast_backup_is_measured_where_it_does_not_draft(tiny_target, hf):
     w.prespeculate()
     bonus = hf_greedy(hf, p, 1)
     (spec, _, _), = w.step([("a", bonus, None, None)], [], ())[0]
-    assert spec and w.seqs["a"].shadow_fast == ngram_draft(p + bonus, w.K)
+    assert spec and w.seqs["a"].shadow_fast == ngram_match(p + bonus, w.K)
     w.step([("a", spec + hf_greedy(hf, p + bonus + spec, 1), None, None)], [], ())
     assert w.stats.fast_shadowed == 6
     w.cfg.fallback = "neural"
@@ -1176,3 +1176,42 @@ def test_plain_decoding_on_the_lent_cores_is_measured_while_the_draft_idles(tiny
     w._lent_sd = False  # as after an idle step
     w.step([("a", None, out, None)], [], [(1, 0.5, True, False)])
     assert w.lent_cost.predict(1) > before
+
+
+def test_the_fast_backup_serves_the_misses_whose_match_makes_it_worth_more(tiny_target):
+    """MatchAcceptance: the fast backup's acceptance by the length of the match its draft
+    continues. A miss that continues a 3-token match gets the lookup draft (free, and
+    likely accepted on its fit), where a miss with no match gets the neural fallback, in
+    SSD's rounds and in SD on the lent cores alike; and the models (_expected_rate,
+    _lent_sd_rate) count the misses the fast backup would serve at their own acceptance. Before, one acceptance for every lookup draft (0.2-0.5, most drafts
+    matching nothing) gave every miss the neural fallback, and SSD's model ran below what
+    SSD gave on HumanEval (ssd_rate in core/theory.py; core/fallback.py's docstring)."""
+    from vllm_saguaro.core.sampling import SamplingSpec
+
+    w = lent_worker(tiny_target, regime="ssd")
+    w.cfg.fallback = "auto"
+    repeat, plain = [5, 17, 99, 3, 5, 17, 99], [5, 17, 99, 3, 250, 7]
+    w._sync("a", repeat, SamplingSpec())
+    w._sync("b", plain, SamplingSpec())
+    neural_only = w._expected_rate(2)
+    for _ in range(60):
+        w.fast_acceptance.observe(3, 3, 3)   # long matches: accepted whole
+        w.fast_acceptance.observe(0, 0, 1)   # none: rejected at once
+    cands = [w._candidate(i, rid, None, True, False) for i, rid in enumerate("ab")]
+    assert w.seqs["a"].fast.n == 3 and w.seqs["b"].fast.n == 0
+    assert cands[0].free[0] > 0.9 > 0.05 > cands[1].free[0]
+    plan = w._plan(cands)
+    assert plan.lengths[0] == w.K and not plan.neural[0]   # the lookup draft, whole
+    assert plan.neural[1]                                  # the neural fallback
+    assert w._expected_rate(2) > neural_only  # half the misses at the 3-match's acceptance
+    # SD on the lent cores: no lookup, every sequence a miss, the same choice
+    assert not w._candidate(0, "a", None, False, False).free
+    w._lent_sd = True
+    assert w._candidate(0, "a", None, False, False).free == cands[0].free
+    w._lent_sd = False
+    w.cfg.controller.regime = "auto"  # (pinned to ssd, SD on the lent cores has no rate)
+    lent_sd_with_fast = w._lent_sd_rate(2, time.perf_counter(), measured=False)
+    w.cfg.fallback = "neural"
+    assert w._fast_backup_options() == [None]
+    assert w._expected_rate(2) == pytest.approx(neural_only)
+    assert w._lent_sd_rate(2, time.perf_counter(), measured=False) < lent_sd_with_fast

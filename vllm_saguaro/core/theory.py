@@ -56,20 +56,27 @@ def sd_rate(a: float, k: int, batch: int, target_s, draft_step_s,
 
 
 def ssd_rate(a: float, k: int, p_hit: float, batch: int, target_s, draft_step_s,
-             a_fast: float | None = None, overhead_s: float = 0.0) -> float:
-    """SSD: a round waits for a fallback unless every sequence hits (p_hit^batch); the
-    neural fallback drafts K steps for the missed rows, the fast one (a_fast: its
-    acceptance) is free. The draft's pre-speculation is assumed hidden (it fits the
-    round: fit_to_round)."""
+             a_fast: float | None = None, overhead_s: float = 0.0,
+             fast: list[tuple[float, float]] | None = None) -> float:
+    """SSD: a round waits for a fallback unless no sequence needs the neural one; the
+    neural fallback drafts K steps for the missed rows, the fast one is free. fast: the
+    misses the fast backup serves, as (share of the misses, its acceptance on them), the
+    rest the neural one's (core/fallback.py MatchAcceptance: by match length); a_fast:
+    every miss the fast backup's, at that acceptance. The draft's pre-speculation is
+    assumed hidden (it fits the round: fit_to_round)."""
     if k == 0:
         return target_alone_rate(batch, target_s)
+    if a_fast is not None:
+        fast = [(1.0, a_fast)]
+    fast = fast or []
     e = expected_tokens_per_round(a, k)
-    p_all = p_hit ** batch
-    if a_fast is None:
-        e_miss = e
-        misses = max(1, round(batch * (1.0 - p_hit)))
-        stall = (1.0 - p_all) * k * draft_step_s(misses)
-    else:
-        e_miss, stall = expected_tokens_per_round(a_fast, k), 0.0
+    served = min(1.0, sum(share for share, _ in fast))
+    e_miss = (sum(share * expected_tokens_per_round(af, k) for share, af in fast)
+              + (1.0 - served) * e)
+    neural = (1.0 - p_hit) * (1.0 - served)  # a row's chance to need the neural fallback
+    stall = 0.0
+    if neural > 0.0:
+        rows = max(1, round(batch * neural))
+        stall = (1.0 - (1.0 - neural) ** batch) * k * draft_step_s(rows)
     tokens = batch * (p_hit * e + (1.0 - p_hit) * e_miss)
     return tokens / (target_s(batch * (k + 1)) + stall + overhead_s)

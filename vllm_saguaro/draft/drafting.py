@@ -66,7 +66,7 @@ class Drafting:
         self.stats.syncs += 1
         st = self.seqs.get(rid) or SeqState(tokens=[])
         st.tokens, st.spec, st.cache, st.sampling = list(tokens), None, None, sampling
-        st.source = "neural"
+        st.source, st.fast = "neural", None  # (a lookup draft is made for its tokens)
         self.seqs[rid] = st
         self._keep_kv(rid, tokens)
 

@@ -12,16 +12,19 @@ from typing import Callable
 
 from vllm_saguaro.core.cache import Speculation
 from vllm_saguaro.core.controller import Candidate, StepCost, choose_lengths, draft_more_pays
+from vllm_saguaro.core.fallback import FastDraft, ngram_match
 from vllm_saguaro.draft.state import SeqState
 
 
 class LengthPlanning:
     """DraftWorker's speculation lengths and fallback, each step (see the module's docstring)."""
 
-    def _source_alphas(self, spec: Speculation, source: str) -> tuple[float, ...]:
-        """_alphas by who drafted it: the fast backup's tokens at its own rate."""
+    def _source_alphas(self, spec: Speculation, source: str,
+                       cand: Candidate) -> tuple[float, ...]:
+        """_alphas by who drafted it: the fast backup's tokens at the rate its candidate
+        had (that of its match length)."""
         if source == "fast":
-            return (self.fast_acceptance.rate,) * len(spec.tokens)
+            return cand.free[:len(spec.tokens)]
         return () if source == "plain" else self._alphas(spec)
 
     def _alphas(self, spec: Speculation) -> tuple[float, ...]:
@@ -34,8 +37,9 @@ class LengthPlanning:
 
     def _candidate(self, i: int, rid: str, hit: Speculation | None, looked_up: bool,
                    fresh: bool) -> Candidate:
-        """Sequence i's options: a hit's tokens (free); for a miss the fast backup (free, if
-        allowed) and the neural fallback. A new or resynced sequence sends nothing in its
+        """Sequence i's options: a hit's tokens (free); for a miss, and for every
+        sequence of a round of SD on the lent cores (nothing pre-speculated: each is a
+        miss), the fast backup (free, if allowed) and the neural fallback. A new or resynced sequence sends nothing in its
         first round under the auto policy: drafting it now would put the draft's prefill
         of its whole context on the critical path, while the pre-speculation of its k = 0
         outcomes does that prefill off it (and usually makes its next round a hit). With K
@@ -51,10 +55,19 @@ class LengthPlanning:
             return Candidate(free=self._alphas(hit), cap=cap, fixed=fixed)
         if fresh and not fixed and self.cfg.async_:
             return Candidate(cap=0)
-        fast_ok = looked_up and self._fast_allowed(st)
-        free = (self.fast_acceptance.rate,) * self.K if fast_ok else ()
+        fast_ok = (looked_up or self._lent_sd) and self._fast_allowed(st)
+        free = (self.fast_acceptance.rate(self._fast_draft(st).n),) * self.K if fast_ok else ()
         neural = (self.acceptance.rate,) * self.K if not (fast_ok and self.cfg.fallback == "fast") else ()
         return Candidate(free=free, neural=neural, cap=cap, fixed=fixed)
+
+    def _fast_draft(self, st: SeqState) -> FastDraft:
+        """The fast backup's draft for the sequence's tokens now (made once for them: a
+        miss's candidate, its fallback and its shadow share it), its match length counted
+        (MatchAcceptance.note)."""
+        if st.fast is None or st.fast.at != len(st.tokens):
+            st.fast = ngram_match(st.tokens, self.K)
+            self.fast_acceptance.note(st.fast.n)
+        return st.fast
 
     def _fast_allowed(self, st: SeqState) -> bool:
         """Whether a miss of this sequence may get the fast backup (config `fallback`; not
@@ -95,8 +108,8 @@ class LengthPlanning:
         final = []
         for i, c in enumerate(cands):
             fixed = c.fixed or not self._verify_cost().known
-            final.append(Candidate(free=self._source_alphas(specs[i], sources[i]), cap=c.cap,
-                                   fixed=fixed))
+            final.append(Candidate(free=self._source_alphas(specs[i], sources[i], c),
+                                   cap=c.cap, fixed=fixed))
         return choose_lengths(final, self._verify_s(len(cands)), lambda rows: 0.0,
                               sunk_s=sunk).lengths
 
@@ -112,7 +125,7 @@ class LengthPlanning:
                 or any(cands[i].fixed for i in neural)):
             return None
         rows = set(neural)
-        others = [Candidate(free=self._source_alphas(specs[i], sources[i]), cap=c.cap,
+        others = [Candidate(free=self._source_alphas(specs[i], sources[i], c), cap=c.cap,
                             fixed=c.fixed) for i, c in enumerate(cands) if i not in rows]
         verify, step_s = self._verify_s(len(cands)), self._draft_cost().predict(len(neural))
         over = (self.lent_sd_overhead or 0.0) if self._lent_sd else 0.0

@@ -363,7 +363,8 @@ class RegimeChoice:
 
     def _lent_sd_rate(self, batch: int, now: float, measured: bool = True) -> float | None:
         """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with its
-        lines, _lent_sd_lines, and the round's overhead, the best K up to the cap),
+        lines, _lent_sd_lines, and the round's overhead, the best K up to the cap, the
+        fast backup's drafts where they are worth more: _fast_backup_options),
         clamped to what it was measured to give (RealizedRate.clamp; `measured`, else
         the model's alone). None where it is no option (no lent cores, regime ssd) or not
         known yet (the lent cores or the draft's step not measured)."""
@@ -372,8 +373,12 @@ class RegimeChoice:
             return None
         verify, draft = self._lent_sd_lines()
         a, over = self.acceptance.rate, self.lent_sd_overhead or 0.0
-        expected = max((sd_rate(a, k, batch, verify.predict, draft.predict, overhead_s=over)
-                        for k in range(1, self._cap + 1)), default=0.0)
+        # SD with the fast backup for the sequences whose match makes it worth more: SSD's
+        # round with no hit (ssd_rate with p_hit 0 and no fast backup is sd_rate)
+        expected = max((ssd_rate(a, k, 0.0, batch, verify.predict, draft.predict, fast=f,
+                                 overhead_s=over)
+                        for k in range(1, self._cap + 1) for f in self._fast_backup_options()),
+                       default=0.0)
         return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
 
     def _lent_sd_continues(self) -> bool:
@@ -421,11 +426,23 @@ class RegimeChoice:
         ks = range(1, self._cap + 1)
         if not self.cfg.async_:
             return max((sd_rate(a, k, batch, t, d) for k in ks), default=0.0)
-        # the backups a miss may get (None: the neural one): config `fallback`
-        fast = {"neural": [None], "fast": [self.fast_acceptance.rate],
-                "auto": [None, self.fast_acceptance.rate]}[self.cfg.fallback]
-        return max((ssd_rate(a, k, self.hit_rate, batch, t, d, a_fast=f) for k in ks for f in fast),
+        fast = self._fast_backup_options()
+        return max((ssd_rate(a, k, self.hit_rate, batch, t, d, fast=f) for k in ks for f in fast),
                    default=0.0)
+
+    def _fast_backup_options(self) -> list[list[tuple[float, float]] | None]:
+        """The misses the fast backup may serve, as ssd_rate's `fast` (None: none, every
+        miss the neural fallback's), by config `fallback`: with `auto` the match lengths
+        its acceptance ranks highest first (the controller gives a miss the fast backup
+        where its match makes it worth more: core/fallback.py), one option per how many."""
+        m = self.fast_acceptance
+        by_rate = sorted(zip(m.shares(), (m.rate(n) for n in range(len(m.fits)))),
+                         key=lambda x: -x[1])
+        if self.cfg.fallback == "neural":
+            return [None]
+        if self.cfg.fallback == "fast":
+            return [by_rate]
+        return [None] + [by_rate[:j] for j in range(1, len(by_rate) + 1)]
 
     def _prespeculation_pays(self, batch: int) -> bool:
         """Pre-speculate only what the next step could use: with the fitted a_p, would any

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_saguaro.core.cache import SpeculationCache
+from vllm_saguaro.core.fallback import FastDraft
 from vllm_saguaro.core.sampling import SamplingSpec
 from vllm_saguaro.draft.speculation_table import TableView
 
@@ -31,5 +32,6 @@ class SeqState:
                                             # "fast"; "plain" = nothing sent
     aborted: bool = False                   # its pre-speculation was cut short
     confidence: list[float] | None = None   # the draft's confidence in each token of spec
-    shadow_fast: list[int] | None = None    # the fast backup's draft for this round, not
+    fast: FastDraft | None = None           # the fast backup's latest draft (a miss's)
+    shadow_fast: FastDraft | None = None    # the fast backup's draft for this round, not
                                             # sent: its acceptance measured all the same

@@ -30,7 +30,7 @@ import torch
 from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation
 from vllm_saguaro.core.controller import Candidate, RealizedRate, StepCost, choose_lengths
-from vllm_saguaro.core.fallback import ngram_draft
+from vllm_saguaro.core.fallback import MatchAcceptance
 from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.placement import omp_env, process_threads
@@ -208,7 +208,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         # draft's forwards (this worker's own work around them, the round trip, the
         # proposer), an average
         self.lent_sd_overhead: float | None = None
-        self.fast_acceptance = AcceptanceFit(0.2)
+        self.fast_acceptance = MatchAcceptance()  # by match length (core/fallback.py)
         self.prefill_s_per_token = PREFILL_S_PER_TOKEN  # the catch-up's cost (_idle_limit)
         self.hit_rate = 0.5  # of lookups, an exponential average (the idle decision's p_hit)
         self._cap = self.K        # the most tokens a sequence may send this step
@@ -489,7 +489,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
                 continue
             st = self.seqs[updates[i][0]]
             if plan.lengths[i] and cands[i].free:  # deterministic: verified with a one-hot q
-                specs[i], sources[i] = Speculation(ngram_draft(st.tokens, self.K)), "fast"
+                specs[i], sources[i] = Speculation(list(self._fast_draft(st).tokens)), "fast"
                 self.stats.fast_seqs += 1
             else:
                 specs[i], sources[i] = Speculation([]), "plain"
@@ -528,7 +528,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
             flag = True if i in hits else (False if i in looked_up else None)
             results.append((st.spec, flag, self._wire_q(probs)))
             self.stats.sent[n] += 1
-            st.shadow_fast = (ngram_draft(st.tokens, self.K) if st.source != "fast"
+            st.shadow_fast = (self._fast_draft(st) if st.source != "fast"
                               and (i + self._round) % len(updates) < SHADOW_ROWS
                               and self._fast_allowed(st) else None)
         return results
@@ -546,7 +546,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
             st.borrowed_draft_per_row_s = borrowed["per_token_s"]
             st.lent_sd_overhead_s = self.lent_sd_overhead
         st.acceptance_rate = self.acceptance.rate
-        st.fast_acceptance_rate = self.fast_acceptance.rate
+        st.fast_acceptance_rate = self.fast_acceptance.overall
 
     def _observe_outcome(self, st: SeqState, sampled: list[int]) -> None:
         """What the verified outcome teaches: the calibration, a_p, the fast backup's rate
@@ -555,9 +555,10 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         if st.shadow_fast is not None:
             # the outcome shows the target's tokens up to its bonus: a shadow token judged
             # wrong there is a rejection, one past them is not judged (as in AcceptanceFit)
-            m = lcp(st.shadow_fast, sampled)
-            judged = m + 1 if m < min(len(sampled), len(st.shadow_fast)) else m
-            self.fast_acceptance.observe(m, judged)
+            shadow = st.shadow_fast
+            m = lcp(shadow.tokens, sampled)
+            judged = m + 1 if m < min(len(sampled), len(shadow.tokens)) else m
+            self.fast_acceptance.observe(shadow.n, m, judged)
             self.stats.fast_shadowed += 1
             st.shadow_fast = None
         if not st.spec:
@@ -565,7 +566,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         if st.confidence is not None:
             self.calibration.observe(st.confidence, len(sampled) - 1)
         if st.source == "fast":
-            self.fast_acceptance.observe(len(sampled) - 1, len(st.spec))
+            self.fast_acceptance.observe(st.fast.n, len(sampled) - 1, len(st.spec))
         else:
             self.acceptance.observe(len(sampled) - 1, len(st.spec))
 
