@@ -1,6 +1,7 @@
 import pytest
 
-from vllm_saguaro.core.fallback import MatchAcceptance, ngram_draft, ngram_match
+from vllm_saguaro.core.fallback import (LookupWatch, MatchAcceptance, ngram_draft, ngram_match,
+                                        recent_matches)
 
 
 def test_ngram_draft_continues_the_latest_match():
@@ -60,3 +61,30 @@ def test_ngram_match_agrees_with_the_plain_search():
         k, max_n = rng.randrange(1, 5), rng.randrange(1, 5)
         got = ngram_match(tokens, k, max_n)
         assert (got.tokens, got.n) == _reference_ngram_draft(tokens, k, max_n), (tokens, k, max_n)
+
+
+def test_the_text_now_replaces_the_match_lengths_that_came_up():
+    code = [1, 2, 3, 4] * 10
+    assert recent_matches(code, window=5) == [3] * 5
+    assert recent_matches(list(range(50)), window=4) == [0] * 4
+    assert recent_matches([1, 1, 2], window=8) == [0, 1]   # positions 1 and 2 only
+    m = MatchAcceptance(decay=1.0)
+    for _ in range(30):
+        m.note(0)
+    m.seen_in(recent_matches(code, window=6) + [0, 0])
+    assert m.shares() == [0.25, 0.0, 0.0, 0.75]
+    m.seen_in([])  # nothing resynced: the counts stay
+    assert m.shares() == [0.25, 0.0, 0.0, 0.75]
+
+
+def test_lookup_watch_shows_the_share_of_long_matches_after_enough_positions():
+    w = LookupWatch(window=8, min_positions=4)
+    code = [1, 2, 3, 4] * 4
+    for _ in range(3):
+        w.observe(code)
+    assert not w.shows(0.5)       # three positions: too few to say
+    w.observe(code)
+    assert w.shows(1.0)
+    for _ in range(8):
+        w.observe(list(range(20)))  # no match
+    assert not w.shows(0.5) and w.shows(0.15)  # 4 of 12 positions, the older weighing less

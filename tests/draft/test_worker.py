@@ -1215,3 +1215,52 @@ def test_the_fast_backup_serves_the_misses_whose_match_makes_it_worth_more(tiny_
     assert w._fast_backup_options() == [None]
     assert w._expected_rate(2) == pytest.approx(neural_only)
     assert w._lent_sd_rate(2, time.perf_counter(), measured=False) < lent_sd_with_fast
+
+
+def test_an_idle_names_the_lookup_share_that_would_make_speculation_pay(tiny_target):
+    """IdleAdvice.wake_share (_lookup_wake_share): where the neural draft does not pay
+    (accepted rarely) and verifying more tokens costs, the share of 3-token matches at
+    which SD on the lent cores with lookup drafts beats plain decoding by the margin;
+    None with no fast backup. And the text of a resynced sequence (after an idle)
+    replaces the match lengths that came up before, ahead of the step's idle decision
+    (_see_text); where it moved the share of 3-token matches by TEXT_CHANGE_SHARE, what
+    both regimes gave is forgotten (measured on other text)."""
+    from vllm_saguaro.core.controller import StepCost
+    from vllm_saguaro.core.fanout import AcceptanceFit
+    from vllm_saguaro.draft.regime import LOOKUP_WAKE_MARGIN, LOOKUP_WAKE_SHARES
+
+    w = lent_worker(tiny_target, regime="auto")
+    w.cfg.fallback = "auto"
+    w.acceptance = AcceptanceFit(0.05, prior_weight=1e6)  # the neural draft: no use
+    w.lent_cost = StepCost()
+    for _ in range(4):
+        for width, seconds in [(1, 0.03), (4, 0.06)]:
+            w.lent_cost.observe(width, seconds)
+    for _ in range(60):
+        w.fast_acceptance.observe(3, 3, 3)
+        w.fast_acceptance.observe(0, 0, 1)
+    plain_s = w._plain_s()
+    share = w._lookup_wake_share(1, plain_s)
+    assert share in LOOKUP_WAKE_SHARES and 0.2 <= share <= 0.7, share
+    lower = LOOKUP_WAKE_SHARES[LOOKUP_WAKE_SHARES.index(share) - 1]
+    now, plain = time.perf_counter(), 1 / plain_s(1)
+    at = w._lent_sd_rate(1, now, measured=False, shares=[1 - share, 0, 0, share])
+    below = w._lent_sd_rate(1, now, measured=False, shares=[1 - lower, 0, 0, lower])
+    assert at > (1 + LOOKUP_WAKE_MARGIN) * plain >= below
+    w.cfg.fallback = "neural"
+    assert w._lookup_wake_share(1, plain_s) is None
+    w.cfg.fallback = "auto"
+    w._see_text([("b", None, list(range(80)), None)])  # prose: no match
+    now = time.perf_counter()
+    for measured in (w.realized, w.lent_sd_realized):
+        for _ in range(measured.min_rounds):
+            measured.observe(1, 2, 0.05, now)
+    w._see_text([("c", None, list(range(100, 180)), None)])  # more of it: kept
+    assert w.realized.rate(1, now) and w.lent_sd_realized.rate(1, now)
+    w._see_text([("a", None, [1, 2, 3, 4] * 20, None)])  # code: every position a match
+    assert w.fast_acceptance.shares()[3] == 1.0 and w.stats.text_changes == 1
+    assert w.realized.rate(1, now) is None and w.lent_sd_realized.rate(1, now) is None
+    w._see_text([("a", [5], None, None)])  # nothing resynced: the counts stay
+    assert w.fast_acceptance.shares()[3] == 1.0
+    w._see_text([("b", None, list(range(80)), None)])
+    assert w.fast_acceptance.shares()[0] == 1.0 and w.stats.text_changes == 2

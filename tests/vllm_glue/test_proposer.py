@@ -22,6 +22,7 @@ def idle_proposer(limit):
     p._probe_rounds, p._recheck_s, p._idle_ids = None, mod.IDLE_RECHECK_S, None
     p.lending = None
     p.lent_sd = False
+    p._wake_share, p._lookup, p._lookup_woke = None, None, float("-inf")
     return p
 
 
@@ -389,3 +390,34 @@ def test_target_placement_warns_only_where_the_draft_cores_are_not_lent(monkeypa
         assert not caplog.records
         proposer.check_target_placement([1])
     assert len(caplog.records) == 1 and "[1]" in caplog.records[0].getMessage()
+
+
+def test_an_idle_ends_once_the_text_shows_its_lookup_wake_share():
+    """IdleAdvice.wake_share: while idle, each decoding row's latest position goes into a
+    LookupWatch; the idle ends once the share of positions continuing a 3-token match
+    reaches it (code after prose: text the draft did not see while it idled), and the
+    next idles watch only after LOOKUP_REWAKE_S."""
+    import torch
+
+    from vllm_saguaro.core.fallback import LookupWatch
+
+    p = idle_proposer(0)
+    p._wake_share, p._lookup = 0.5, LookupWatch()
+    prose = torch.arange(100, 200)[None]           # no token repeats: no match
+    code = torch.tensor([[1, 2, 3, 4] * 25])       # every position past 7 a 3-token match
+    for n in range(20, 40):
+        assert not p._watch_lookup([[7]], [n], prose) and p._idle(ids(1), 1, set())
+    woke = [p._watch_lookup([[7]], [n], code) for n in range(20, 60)]
+    assert woke[-1] and not woke[0]
+    assert not p._idle(ids(1), 1, set(), woken=True)
+    assert p.idle_above is None and p._lookup is None and p._wake_share is None
+    p.idle_above, p._wake_share, p._lookup = 0, 0.5, LookupWatch()  # the next idle
+    assert not any(p._watch_lookup([[7]], [n], code) for n in range(20, 60))
+    p._lookup_woke -= mod.LOOKUP_REWAKE_S
+    assert any(p._watch_lookup([[7]], [n], code) for n in range(20, 60))
+    p._wake_share = None  # an idle without a wake share watches nothing
+    assert not p._watch_lookup([[7]], [60], code)
+    p = idle_proposer(0)  # a large batch: LOOKUP_ROWS rows a step, in turn
+    p._wake_share, p._lookup = 0.5, LookupWatch()
+    p._watch_lookup([[7]] * 8, [60] * 8, code.repeat(8, 1))
+    assert p._lookup.seen == mod.LOOKUP_ROWS

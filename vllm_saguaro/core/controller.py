@@ -306,6 +306,10 @@ class RealizedRate:
         """Drop what this batch size gave (it is to be measured anew)."""
         self._seen.pop(batch, None)
 
+    def forget_all(self) -> None:
+        """Drop what every batch size gave (the text it was measured on is gone)."""
+        self._seen.clear()
+
     def _known(self, batch: int, now: float):
         means, rounds, at = self._seen.get(batch, ((), 0, now))
         if rounds < self.min_rounds or now - at > self.ttl_s:

@@ -10,11 +10,11 @@ drafts (or neither) is the controller's choice, by the same objective as every l
 
 How likely a lookup draft is to be accepted depends above all on how long a match it
 continues (MatchAcceptance). Measured on the reference target's greedy output (8 prompts
-a set, 64 tokens, K = 3, every position): on HumanEval a 3-token match stood at 51% of
-the positions and had 2.42 of its 3 tokens accepted, no match (the last token repeated)
-at 16% and none accepted; on MT-Bench 7% and 1.86, 56% and none. One acceptance for every
-lookup draft (0.2-0.5) put the fast backup below the neural one on every miss, where on
-code its 3-token matches beat it at no draft cost.
+a set, 64 tokens, K = 3, every position; benchmarks/lookup_acceptance.py): on HumanEval a
+3-token match stood at 52% of the positions and had 2.42 of its 3 tokens accepted, no
+match (the last token repeated) at 17% and none accepted; on MT-Bench 7% and 1.86, 56%
+and none. One acceptance for every lookup draft (0.2-0.5) put the fast backup below the
+neural one on every miss, where on code its 3-token matches beat it at no draft cost.
 """
 from __future__ import annotations
 
@@ -69,6 +69,13 @@ def ngram_draft(tokens: list[int], k: int, max_n: int = 3) -> list[int]:
     return ngram_match(tokens, k, max_n).tokens
 
 
+def recent_matches(tokens: list[int], window: int = 32, max_n: int = 3) -> list[int]:
+    """The match length of the lookup draft at each of the last `window` positions of
+    `tokens` (made from the tokens before it)."""
+    return [ngram_match(tokens[:t], 1, max_n).n for t in range(max(1, len(tokens) - window),
+                                                              len(tokens))]
+
+
 class MatchAcceptance:
     """The fast backup's per-token acceptance by match length (AcceptanceFit each, from
     its drafts sent and those judged without being sent), and how often each match length
@@ -98,7 +105,36 @@ class MatchAcceptance:
             return [1.0] + [0.0] * (len(self.seen) - 1)
         return [s / total for s in self.seen]
 
+    def seen_in(self, lengths: list[int]) -> None:
+        """The match lengths of the text now in the batch (recent_matches of its
+        sequences' latest positions) replace the counts: what came up before was of
+        text that is gone, or that the draft did not see while it idled."""
+        if lengths:
+            self.seen = [float(lengths.count(n)) for n in range(len(self.seen))]
+
     @property
     def overall(self) -> float:
         """The acceptance of a lookup draft, all match lengths as they come up."""
         return sum(s * f.rate for s, f in zip(self.shares(), self.fits))
+
+
+class LookupWatch:
+    """The share of the batch's latest positions whose lookup draft continues a match of
+    max_n tokens, as an exponential average over about `window` positions: what the
+    proposer watches while the draft idles (IdleAdvice.wake_share)."""
+
+    def __init__(self, window: int = 32, min_positions: int = 16, max_n: int = 3):
+        self.decay, self.min_positions, self.max_n = 1.0 - 1.0 / window, min_positions, max_n
+        self.matched = self.positions = 0.0
+        self.seen = 0  # positions observed, not decayed
+
+    def observe(self, tokens: list[int]) -> None:
+        """One position: the sequence's tokens so far."""
+        long = ngram_match(tokens, 1, self.max_n).n >= self.max_n
+        self.matched = self.decay * self.matched + long
+        self.positions = self.decay * self.positions + 1.0
+        self.seen += 1
+
+    def shows(self, share: float) -> bool:
+        """At least min_positions observed, and the share of long matches at `share`."""
+        return self.seen >= self.min_positions and self.matched >= share * self.positions

@@ -20,6 +20,7 @@ from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beat
                                           catch_up_pays, lent_sd_pays, lent_sd_worth,
                                           speculation_pays)
 from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
+from vllm_saguaro.core.fallback import recent_matches
 from vllm_saguaro.draft.drafting import lcp
 from vllm_saguaro.draft.state import Update
 
@@ -65,6 +66,26 @@ SSD_EXPLORE_S = 60.0
 # every position misses the runs of accepted tokens on code.
 SSD_TRY_SHARE = 0.25
 
+# While the draft idles nothing measures the text, and a share of 3-token matches that
+# would make the fast backup worth speculating with (SD on the lent cores or SSD with
+# lookup drafts) goes unseen: the idle names that share (IdleAdvice.wake_share, the
+# lowest of LOOKUP_WAKE_SHARES at which the models put speculation LOOKUP_WAKE_MARGIN
+# above plain decoding, the other positions matching nothing), and the proposer wakes
+# the draft once the text shows it. Measured at batch 1 (T = 0): MT-Bench put the draft
+# idle (SSD measured at 18.5 tok/s, plain decoding 21.7), and it idled through the
+# whole HumanEval set (26.4 tok/s), where the other start ran SD on the lent cores with
+# lookup drafts at 44.2 (plain vLLM 26.7-28.3).
+LOOKUP_WAKE_SHARES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8)
+LOOKUP_WAKE_MARGIN = 0.1
+
+# The text of the batch's new or resynced sequences changed what the fast backup can do
+# (its share of 3-token matches moved by this much, RegimeChoice._see_text): what both
+# regimes gave lately (RealizedRate) was measured on other text, and is forgotten.
+# Measured at batch 1 (T = 0): at the turn from MT-Bench to HumanEval, SSD's and SD on
+# the lent cores' rates from MT-Bench (24-25 tok/s) held the draft idle (plain decoding
+# 25.8) for the first 10 s of HumanEval, where SD on the lent cores then gave 45.
+TEXT_CHANGE_SHARE = 0.25
+
 # A close idle after a try of SD on the lent cores that did not pay (_wake, _close_idle):
 # no wake on new text, a recheck after LENT_TRY_BACKOFF_S instead, doubled for each such
 # try in a row (up to 4x); a try that pays ends the backoff. Measured at batch 1 (T = 1,
@@ -78,12 +99,15 @@ class IdleAdvice(NamedTuple):
     measure plain decoding on the lent cores at this batch size, so ask again soon;
     `recheck_s`: ask again after this long (None: the proposer's default); `new_text`:
     ask again as soon as every request of the batch is one that joined since (what was
-    measured is of text that is gone)."""
+    measured is of text that is gone); `wake_share`: ask again once this share of the
+    batch's latest positions continue a 3-token match (LOOKUP_WAKE: the proposer
+    watches the text while the draft idles; None: no share would make speculation pay)."""
 
     limit: int
     probe: bool
     recheck_s: float | None = None
     new_text: bool = False
+    wake_share: float | None = None
 
 
 class RegimeChoice:
@@ -165,6 +189,24 @@ class RegimeChoice:
             self.lent_sd_overhead = (over if self.lent_sd_overhead is None
                                      else 0.9 * self.lent_sd_overhead + 0.1 * over)
 
+    def _see_text(self, updates: list[Update]) -> None:
+        """The match lengths of the new or resynced sequences' latest text replace those
+        that came up before (MatchAcceptance.seen_in), ahead of this step's idle decision,
+        which weighs the fast backup by them: after an idle (the proposer resyncs every
+        sequence) they are of text the draft did not see. Where they moved the share of
+        3-token matches by TEXT_CHANGE_SHARE, what both regimes gave is forgotten."""
+        if self.cfg.fallback == "neural":
+            return
+        lengths = [n for _, _, full, _ in updates if full is not None for n in recent_matches(full)]
+        if not lengths:
+            return
+        before = self.fast_acceptance.shares()[-1]
+        self.fast_acceptance.seen_in(lengths)
+        if abs(self.fast_acceptance.shares()[-1] - before) >= TEXT_CHANGE_SHARE:
+            self.realized.forget_all()
+            self.lent_sd_realized.forget_all()
+            self.stats.text_changes += 1
+
     def _catch_up_tokens(self, updates: list[Update]) -> int:
         """Tokens the draft must prefill before it can speculate on this batch: those of
         new or resynced sequences beyond the KV it still holds for them."""
@@ -200,7 +242,8 @@ class RegimeChoice:
 
         limit = batch_limit(rate, plain, max_batch=batch)
         if limit < batch:
-            return self._close_idle(limit, batch, plain)
+            advice = self._close_idle(limit, batch, plain)
+            return advice._replace(wake_share=self._lookup_wake_share(batch, plain))
         if self.lent_cost is not None and self._probe_due(batch, now):
             if batch in self.lent_widths:  # measured before: the probe's rounds decide
                 self.lent_cost.discount(LENT_REPROBE_KEEP)
@@ -264,6 +307,25 @@ class RegimeChoice:
         return IdleAdvice(limit, probe=False,
                           recheck_s=CLOSE_RECHECK_S if batch in self.lent_sd_paid else None,
                           new_text=batch in self.lent_sd_ever_paid)
+
+    def _lookup_wake_share(self, batch: int, plain_s) -> float | None:
+        """The lowest share of positions continuing a 3-token match (LOOKUP_WAKE_SHARES,
+        the rest matching nothing) at which the models (unclamped: what was measured was
+        of other text) put SSD or SD on the lent cores LOOKUP_WAKE_MARGIN above plain
+        decoding (plain_s: its step time); None where no share does, or where the fast
+        backup is no option."""
+        if self.cfg.fallback == "neural" or not self.cfg.async_:
+            return None
+        plain = batch / max(plain_s(batch), 1e-9)
+        now = time.perf_counter()
+        lengths = len(self.fast_acceptance.fits)
+        for share in LOOKUP_WAKE_SHARES:
+            shares = [1.0 - share] + [0.0] * (lengths - 2) + [share]
+            lent_sd = self._lent_sd_rate(batch, now, measured=False, shares=shares)
+            best = max(self._expected_rate(batch, shares), lent_sd or 0.0)
+            if best > (1.0 + LOOKUP_WAKE_MARGIN) * plain:
+                return share
+        return None
 
     def _ssd_try_due(self, batch: int, plain: float) -> bool:
         """Whether an idle at this batch size is to try SSD on its recheck (SSD_TRY_SHARE):
@@ -361,7 +423,8 @@ class RegimeChoice:
             return 0.0
         return self.realized.clamp(self._expected_rate(batch), batch, now)
 
-    def _lent_sd_rate(self, batch: int, now: float, measured: bool = True) -> float | None:
+    def _lent_sd_rate(self, batch: int, now: float, measured: bool = True,
+                      shares: list[float] | None = None) -> float | None:
         """SD on the lent cores' rate at this batch size (core/theory.py sd_rate with its
         lines, _lent_sd_lines, and the round's overhead, the best K up to the cap, the
         fast backup's drafts where they are worth more: _fast_backup_options),
@@ -377,7 +440,8 @@ class RegimeChoice:
         # round with no hit (ssd_rate with p_hit 0 and no fast backup is sd_rate)
         expected = max((ssd_rate(a, k, 0.0, batch, verify.predict, draft.predict, fast=f,
                                  overhead_s=over)
-                        for k in range(1, self._cap + 1) for f in self._fast_backup_options()),
+                        for k in range(1, self._cap + 1)
+                        for f in self._fast_backup_options(shares)),
                        default=0.0)
         return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
 
@@ -420,23 +484,26 @@ class RegimeChoice:
                 return gave[0], lent_sd_worth(gave[1], continuing)
         return self._ssd_rate(batch, now), lent_sd_worth(lent_sd, continuing)
 
-    def _expected_rate(self, batch: int) -> float:
-        """Tokens per second speculation is expected to give at this batch size."""
+    def _expected_rate(self, batch: int, shares: list[float] | None = None) -> float:
+        """Tokens per second speculation is expected to give at this batch size (shares:
+        _fast_backup_options')."""
         a, t, d = self.acceptance.rate, self.target_cost.predict, self.draft_cost.predict
         ks = range(1, self._cap + 1)
         if not self.cfg.async_:
             return max((sd_rate(a, k, batch, t, d) for k in ks), default=0.0)
-        fast = self._fast_backup_options()
+        fast = self._fast_backup_options(shares)
         return max((ssd_rate(a, k, self.hit_rate, batch, t, d, fast=f) for k in ks for f in fast),
                    default=0.0)
 
-    def _fast_backup_options(self) -> list[list[tuple[float, float]] | None]:
+    def _fast_backup_options(self, shares: list[float] | None = None
+                             ) -> list[list[tuple[float, float]] | None]:
         """The misses the fast backup may serve, as ssd_rate's `fast` (None: none, every
         miss the neural fallback's), by config `fallback`: with `auto` the match lengths
         its acceptance ranks highest first (the controller gives a miss the fast backup
-        where its match makes it worth more: core/fallback.py), one option per how many."""
+        where its match makes it worth more: core/fallback.py), one option per how many.
+        shares: of each match length (default: as they came up, MatchAcceptance)."""
         m = self.fast_acceptance
-        by_rate = sorted(zip(m.shares(), (m.rate(n) for n in range(len(m.fits)))),
+        by_rate = sorted(zip(shares or m.shares(), (m.rate(n) for n in range(len(m.fits)))),
                          key=lambda x: -x[1])
         if self.cfg.fallback == "neural":
             return [None]

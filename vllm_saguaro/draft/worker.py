@@ -374,6 +374,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
                     self.lent_cost.observe(width, seconds)
                     self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
+            self._see_text(updates)
             self._observe_round(updates, t0, target_steps[-1][1] if target_steps else None)
             self._wake(len(updates))
             # an exploration of SSD (regime.py SSD_EXPLORE_ROUNDS) goes on, or starts

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_saguaro.config import SaguaroConfig
+from vllm_saguaro.core.fallback import LookupWatch
 from vllm_saguaro.core.outcome import is_consistent
 from vllm_saguaro.core.placement import process_threads
 from vllm_saguaro.core.sampling import SamplingSpec, unpack_counts
@@ -53,6 +54,11 @@ STEPS_SENT = 8
 # came in, plain vLLM 59-62), and a low line for plain decoding made SD on the lent cores
 # look ahead of it where it was not.
 PROBE_ROUNDS = 2 * STEPS_SENT
+# After an idle that the text's lookup matches ended (IdleAdvice.wake_share), the next
+# idles watch them only after this long: the draft, woken, may find speculation does
+# not pay after all (its catch-up, its own measures), and each wake resyncs the batch.
+LOOKUP_REWAKE_S = 10.0
+LOOKUP_ROWS = 4  # rows a step whose text the idle's LookupWatch looks at
 
 
 def channel_backend(cfg: SaguaroConfig, target_device) -> str | None:
@@ -161,6 +167,10 @@ class SaguaroProposer:
         # once none of them is left), else None
         self._idle_ids: set[str] | None = None
         self._probe_rounds: int | None = None  # idle rounds left in a probe (None: no probe)
+        # IdleAdvice.wake_share: this idle ends once the text shows it (LookupWatch)
+        self._wake_share: float | None = None
+        self._lookup: LookupWatch | None = None
+        self._lookup_woke = float("-inf")  # when an idle last ended so (monotonic)
         # requests finished or preempted that the draft worker has not been told of yet
         self._gone: set[str] = set()
         self.lending = None  # CoreLending: the draft's cores for the target while it idles
@@ -258,7 +268,8 @@ class SaguaroProposer:
         self._width = None
         # a batch arriving: requests joined, and the draft holds none of the batch's yet
         arriving = joined and not any(rid in self.mirror for rid in req_ids)
-        if self._idle(req_ids, decoding, finished, arriving):
+        woken = self._watch_lookup(sampled_token_ids, num_tokens, token_ids_cpu)
+        if self._idle(req_ids, decoding, finished, arriving, woken):
             self._width = decoding if decoding == len(req_ids) else None
             self._drafted = False
             self.metrics.record_idle_round(decoding)
@@ -323,6 +334,8 @@ class SaguaroProposer:
             self._recheck_s = limit.recheck_s or IDLE_RECHECK_S
             self._idle_ids = set(req_ids) if limit.new_text else None
             self._probe_rounds = PROBE_ROUNDS if limit.probe else None
+            self._wake_share = limit.wake_share
+            self._lookup = LookupWatch() if limit.wake_share is not None else None
             if self.lending is not None:
                 self.lending.lend()
         elif self.lent_sd:  # the target verifies on every core; nothing to pre-speculate
@@ -398,12 +411,26 @@ class SaguaroProposer:
         self.metrics.round_done(self._last_done)
         return [[] for _ in range(rows)], None
 
+    def _watch_lookup(self, sampled_token_ids, num_tokens, token_ids_cpu) -> bool:
+        """While idle with a wake share (IdleAdvice.wake_share): the latest position of
+        up to LOOKUP_ROWS decoding rows a step (in turn) goes into the LookupWatch (each
+        ~0.03 ms at 2k tokens); whether it now shows the share."""
+        if (self.idle_above is None or self._wake_share is None or self._lookup is None
+                or time.monotonic() - self._lookup_woke < LOOKUP_REWAKE_S):
+            return False
+        rows = [row for row, sampled in enumerate(sampled_token_ids) if sampled]
+        turn = self._lookup.seen
+        for row in (rows[(turn + i) % len(rows)] for i in range(min(LOOKUP_ROWS, len(rows)))):
+            self._lookup.observe(token_ids_cpu[row, :int(num_tokens[row])].tolist())
+        return self._lookup.shows(self._wake_share)
+
     def _idle(self, req_ids: list[str], decoding: int, finished: set[str],
-              arriving: bool = False) -> bool:
+              arriving: bool = False, woken: bool = False) -> bool:
         """Stay away from the draft while the controller said speculation cannot pay at a
         batch this large; wake when the batch shrinks to where it could, or to recheck
         (after the advice's recheck_s, or where it says new_text once the batch holds
-        only requests that joined since).
+        only requests that joined since, or once the text's lookup matches show its
+        wake_share: `woken`).
         The batch counts the requests still prefilling: while a batch is arriving (its
         requests join a few at a time) the draft stays idle and the cores stay lent.
         A round in which a batch arrives (requests joined, and the draft holds none of
@@ -427,11 +454,14 @@ class SaguaroProposer:
             recheck = self._probe_rounds < 0
         else:
             recheck = (time.monotonic() - self._idle_since >= self._recheck_s
-                       or (self._idle_ids is not None and not self._idle_ids & set(req_ids)))
+                       or (self._idle_ids is not None and not self._idle_ids & set(req_ids))
+                       or woken)
         if len(req_ids) > self.idle_above and not recheck:
             self._gone |= finished
             return True
-        self._probe_rounds = self._idle_ids = None
+        if woken:
+            self._lookup_woke = time.monotonic()
+        self._probe_rounds = self._idle_ids = self._wake_share = self._lookup = None
         self.idle_above = None  # the draft resynchronises every sequence (mirror mismatch)
         if self.lending is not None:
             self.lending.give_back()  # before the draft runs again on its cores
