@@ -39,7 +39,8 @@ class LengthPlanning:
                    fresh: bool) -> Candidate:
         """Sequence i's options: a hit's tokens (free); for a miss, and for every
         sequence of a round of SD on the lent cores (nothing pre-speculated: each is a
-        miss), the fast backup (free, if allowed) and the neural fallback. A new or resynced sequence sends nothing in its
+        miss), the fast backup (free, if allowed; its acceptance that of its draft's match
+        length) and the neural fallback. A new or resynced sequence sends nothing in its
         first round under the auto policy: drafting it now would put the draft's prefill
         of its whole context on the critical path, while the pre-speculation of its k = 0
         outcomes does that prefill off it (and usually makes its next round a hit). With K

@@ -6,7 +6,10 @@ decoding). Each is weighed by its model (core/theory.py with the measured step c
 clamped to what it was measured to give (core/controller.py RealizedRate); plain
 decoding on the lent cores is probed where it was not measured, or not lately, and SSD
 is explored where SD on the lent cores runs instead (SSD_EXPLORE_ROUNDS); where both
-were measured, what they gave decides between them.
+were measured, what they gave decides between them. The fast backup's lookup drafts
+count in both regimes by the share of the text that continues a match, which an idle
+names for the proposer to watch (LOOKUP_WAKE_SHARES), and text whose matches moved makes
+what was measured on the text before forgotten (TEXT_CHANGE_SHARE).
 
 A mixin of DraftWorker (draft/worker.py), whose __init__ holds the state it uses (the
 cost lines, the realized rates, the probes, the regime's counters).
@@ -19,8 +22,8 @@ from typing import NamedTuple
 from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beats_plain,
                                           catch_up_pays, lent_sd_pays, lent_sd_worth,
                                           speculation_pays)
-from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
 from vllm_saguaro.core.fallback import recent_matches
+from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
 from vllm_saguaro.draft.drafting import lcp
 from vllm_saguaro.draft.state import Update
 
@@ -100,7 +103,7 @@ class IdleAdvice(NamedTuple):
     `recheck_s`: ask again after this long (None: the proposer's default); `new_text`:
     ask again as soon as every request of the batch is one that joined since (what was
     measured is of text that is gone); `wake_share`: ask again once this share of the
-    batch's latest positions continue a 3-token match (LOOKUP_WAKE: the proposer
+    batch's latest positions continue a 3-token match (LOOKUP_WAKE_SHARES: the proposer
     watches the text while the draft idles; None: no share would make speculation pay)."""
 
     limit: int
@@ -197,7 +200,8 @@ class RegimeChoice:
         3-token matches by TEXT_CHANGE_SHARE, what both regimes gave is forgotten."""
         if self.cfg.fallback == "neural":
             return
-        lengths = [n for _, _, full, _ in updates if full is not None for n in recent_matches(full)]
+        lengths = [n for _, _, full, _ in updates if full is not None
+                   for n in recent_matches(full)]
         if not lengths:
             return
         before = self.fast_acceptance.shares()[-1]
