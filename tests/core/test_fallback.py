@@ -1,17 +1,17 @@
 import pytest
 
-from vllm_saguaro.core.fallback import (LookupWatch, MatchAcceptance, ngram_draft, ngram_match,
+from vllm_saguaro.core.fallback import (LookupWatch, MatchAcceptance, ngram_match,
                                         recent_matches)
 
 
-def test_ngram_draft_continues_the_latest_match():
+def test_ngram_match_continues_the_latest_match():
     #          0  1  2  3  4  5  6  7  8  9
     tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
-    assert ngram_draft(tokens, 2) == [9, 2]          # "6 7" last seen at 5-6, then 9 2
-    assert ngram_draft([1, 2, 3, 1, 2], 3) == [3, 1, 2]
-    assert ngram_draft([4, 4], 3) == [4, 4, 4]       # a match at the end continues into itself
-    assert ngram_draft([1, 2, 3], 2) == [3, 3]       # no match: repeat the last token
-    assert ngram_draft([9], 2) == [9, 9]
+    assert ngram_match(tokens, 2).tokens == [9, 2]          # "6 7" last seen at 5-6, then 9 2
+    assert ngram_match([1, 2, 3, 1, 2], 3).tokens == [3, 1, 2]
+    assert ngram_match([4, 4], 3).tokens == [4, 4, 4]       # a match at the end continues into itself
+    assert ngram_match([1, 2, 3], 2).tokens == [3, 3]       # no match: repeat the last token
+    assert ngram_match([9], 2).tokens == [9, 9]
 
 
 def test_ngram_match_says_how_long_a_match_its_draft_continues():

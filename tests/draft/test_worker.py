@@ -257,7 +257,7 @@ def test_geometric_fanout_follows_the_fitted_acceptance(tiny_target):
 
 
 def test_fast_backup_drafts_by_prompt_lookup_and_the_next_round_goes_on(tiny_target, hf):
-    from vllm_saguaro.core.fallback import ngram_draft
+    from vllm_saguaro.core.fallback import ngram_match
 
     w = worker(tiny_target, fallback="fast")
     p = [5, 17, 99, 3, 250, 7, 17, 99]
@@ -268,7 +268,7 @@ def test_fast_backup_drafts_by_prompt_lookup_and_the_next_round_goes_on(tiny_tar
                  if Outcome(0, t) not in w.seqs["a"].cache.entries and t != spec[0])
     (nxt, hit, q), = step(w, [("a", [bonus], None, None)], [])  # a miss
     assert hit is False and q is None and w.stats.fast_seqs == 1
-    assert nxt == ngram_draft(p + [bonus], 3), (w.seqs["a"].tokens, bonus)
+    assert nxt == ngram_match(p + [bonus], 3).tokens, (w.seqs["a"].tokens, bonus)
     w.prespeculate()  # glue over the lookup draft; then a cached branch serves again
     (k, b), branch = next(iter(w.seqs["a"].cache.entries.items()))
     (nxt2, hit2, _), = step(w, [("a", nxt[:k] + [b], None, None)], [])

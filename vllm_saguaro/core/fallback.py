@@ -64,11 +64,6 @@ def ngram_match(tokens: list[int], k: int, max_n: int = 3) -> FastDraft:
     return FastDraft(seq[length:], best_n, length)
 
 
-def ngram_draft(tokens: list[int], k: int, max_n: int = 3) -> list[int]:
-    """ngram_match's tokens."""
-    return ngram_match(tokens, k, max_n).tokens
-
-
 def recent_matches(tokens: list[int], window: int = 32, max_n: int = 3) -> list[int]:
     """The match length of the lookup draft at each of the last `window` positions of
     `tokens` (made from the tokens before it)."""

@@ -442,11 +442,10 @@ class RegimeChoice:
         a, over = self.acceptance.rate, self.lent_sd_overhead or 0.0
         # SD with the fast backup for the sequences whose match makes it worth more: SSD's
         # round with no hit (ssd_rate with p_hit 0 and no fast backup is sd_rate)
+        fast = self._fast_backup_options(shares)
         expected = max((ssd_rate(a, k, 0.0, batch, verify.predict, draft.predict, fast=f,
                                  overhead_s=over)
-                        for k in range(1, self._cap + 1)
-                        for f in self._fast_backup_options(shares)),
-                       default=0.0)
+                        for k in range(1, self._cap + 1) for f in fast), default=0.0)
         return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
 
     def _lent_sd_continues(self) -> bool:
