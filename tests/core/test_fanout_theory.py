@@ -147,3 +147,29 @@ def test_ssd_rate_with_the_fast_backup_serving_a_share_of_the_misses():
         ssd_rate(0.6, 3, 0.5, 4, target, draft, a_fast=0.9))
     assert mixed > ssd_rate(0.6, 3, 0.5, 1, target, draft) > ssd_rate(0.6, 3, 0.5, 1, target, draft,
                                                                       a_fast=0.1)
+
+
+def test_ssd_rate_with_the_misses_no_lookup_serves_sending_nothing():
+    """rest_neural False: the misses the fast backup does not serve send nothing (one
+    token each, no stall, no width), as the controller plans a miss no draft makes worth
+    verifying; at batch 4 with half the positions matching, that beats both waiting for
+    the neural fallback and verifying the unmatched positions' lookup drafts."""
+    from vllm_saguaro.core.theory import ssd_rate, target_alone_rate
+
+    target = lambda w: 0.03 + 0.008 * w  # noqa: E731
+    draft = lambda rows: 0.01 + 0.002 * rows  # noqa: E731
+    e9 = expected_tokens_per_round(0.9, 3)
+    lookup_only = ssd_rate(0.5, 3, 0.0, 4, target, draft, fast=[(0.5, 0.9)], rest_neural=False)
+    assert lookup_only == pytest.approx(4 * (0.5 * e9 + 0.5) / target(4 + 2 * 3))
+    # a hit sends its K tokens: the width counts it, the unserved misses not
+    with_hits = ssd_rate(0.5, 3, 0.5, 4, target, draft, fast=[(0.5, 0.9)], rest_neural=False)
+    e = expected_tokens_per_round(0.5, 3)
+    tokens = 4 * (0.5 * e + 0.5 * (0.5 * e9 + 0.5))
+    assert with_hits == pytest.approx(tokens / target(4 + 4 * 3 * 0.75))
+    plain = target_alone_rate(4, target)
+    neural_rest = ssd_rate(0.5, 3, 0.0, 4, target, draft, fast=[(0.5, 0.9)])
+    every_lookup = ssd_rate(0.5, 3, 0.0, 4, target, draft, fast=[(0.5, 0.9), (0.5, 0.02)])
+    assert lookup_only > plain > max(neural_rest, every_lookup)
+    # every miss served: nothing left to send nothing
+    assert ssd_rate(0.5, 3, 0.0, 4, target, draft, fast=[(1.0, 0.9)], rest_neural=False) == \
+        pytest.approx(ssd_rate(0.5, 3, 0.0, 4, target, draft, a_fast=0.9))

@@ -583,8 +583,8 @@ def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(ti
     """_idle_limit with a catch-up: speculation beats plain decoding on the lent cores by
     1 token/s (5 tokens in the 5 s horizon); prefilling 100 tokens (0.1 s without the lent
     cores: under 1 token lost) is repaid, 2000 (2 s: 12-16 tokens lost) is not, and the
-    draft idles; with a 5 tokens/s gain it is."""
-    from vllm_saguaro.draft.regime import IdleAdvice
+    draft idles; with a 5 tokens/s gain it is. Such an idle names its lookup wake share."""
+    from vllm_saguaro.draft.regime import LOOKUP_WAKE_SHARES, IdleAdvice
 
     w = dear_draft(worker(tiny_target, controller={"policy": "auto"}))  # SSD's rate decides
     for _ in range(4):
@@ -605,8 +605,12 @@ def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(ti
     # a batch size plain decoding on the lent cores ran at only briefly (the batch arriving
     # or draining): the lent cores' line stands in for a measurement there
     w.lent_widths, w._probed = {2}, {1: time.perf_counter()}  # probed, too briefly to measure
-    w._expected_rate = lambda b: plain + 1.0
+    w._expected_rate = lambda b, shares=None: plain + 1.0
     assert w._idle_limit(1, 2000) == IdleAdvice(0, probe=False)
+    # such an idle names its lookup wake share too: text that shows it wakes the draft
+    w.cfg.fallback = "auto"
+    advice = w._idle_limit(1, 2000)
+    assert advice.limit == 0 and advice.wake_share in LOOKUP_WAKE_SHARES
 
 
 def test_the_catch_up_counts_the_tokens_beyond_the_kv_the_draft_holds(tiny_target):
@@ -1212,7 +1216,7 @@ def test_the_fast_backup_serves_the_misses_whose_match_makes_it_worth_more(tiny_
     w.cfg.controller.regime = "auto"  # (pinned to ssd, SD on the lent cores has no rate)
     lent_sd_with_fast = w._lent_sd_rate(2, time.perf_counter(), measured=False)
     w.cfg.fallback = "neural"
-    assert w._fast_backup_options() == [None]
+    assert w._fast_backup_options() == [([], True)]
     assert w._expected_rate(2) == pytest.approx(neural_only)
     assert w._lent_sd_rate(2, time.perf_counter(), measured=False) < lent_sd_with_fast
 
@@ -1220,8 +1224,8 @@ def test_the_fast_backup_serves_the_misses_whose_match_makes_it_worth_more(tiny_
 def test_an_idle_names_the_lookup_share_that_would_make_speculation_pay(tiny_target):
     """IdleAdvice.wake_share (_lookup_wake_share): where the neural draft does not pay
     (accepted rarely) and verifying more tokens costs, the share of 3-token matches at
-    which SD on the lent cores with lookup drafts beats plain decoding by the margin;
-    None with no fast backup. And the text of a resynced sequence (after an idle)
+    which SD on the lent cores with lookup drafts beats plain decoding by the margin, the
+    other positions sending nothing; None with no fast backup. And the text of a resynced sequence (after an idle)
     replaces the match lengths that came up before, ahead of the step's idle decision
     (_see_text); where it moved the share of 3-token matches by TEXT_CHANGE_SHARE, what
     both regimes gave is forgotten (measured on other text)."""
@@ -1236,8 +1240,8 @@ def test_an_idle_names_the_lookup_share_that_would_make_speculation_pay(tiny_tar
     for _ in range(4):
         for width, seconds in [(1, 0.03), (4, 0.06)]:
             w.lent_cost.observe(width, seconds)
-    for _ in range(60):
-        w.fast_acceptance.observe(3, 3, 3)
+    for _ in range(60):  # a 3-token match's draft: 2 of 3 accepted (lookup_acceptance)
+        w.fast_acceptance.observe(3, 2, 3)
         w.fast_acceptance.observe(0, 0, 1)
     plain_s = w._plain_s()
     share = w._lookup_wake_share(1, plain_s)
@@ -1247,6 +1251,13 @@ def test_an_idle_names_the_lookup_share_that_would_make_speculation_pay(tiny_tar
     at = w._lent_sd_rate(1, now, measured=False, shares=[1 - share, 0, 0, share])
     below = w._lent_sd_rate(1, now, measured=False, shares=[1 - lower, 0, 0, lower])
     assert at > (1 + LOOKUP_WAKE_MARGIN) * plain >= below
+    # batch 4: the unmatched positions may send nothing, which wakes it at a lower share
+    # than where each waits for the neural fallback's stall or verifies its lookup draft
+    share4 = w._lookup_wake_share(4, plain_s)
+    options = w._fast_backup_options
+    w._fast_backup_options = lambda shares=None: [(f, True) for f, r in options(shares) if r]
+    assert share4 in LOOKUP_WAKE_SHARES and share4 < w._lookup_wake_share(4, plain_s)
+    w._fast_backup_options = options
     w.cfg.fallback = "neural"
     assert w._lookup_wake_share(1, plain_s) is None
     w.cfg.fallback = "auto"

@@ -57,13 +57,17 @@ def sd_rate(a: float, k: int, batch: int, target_s, draft_step_s,
 
 def ssd_rate(a: float, k: int, p_hit: float, batch: int, target_s, draft_step_s,
              a_fast: float | None = None, overhead_s: float = 0.0,
-             fast: list[tuple[float, float]] | None = None) -> float:
+             fast: list[tuple[float, float]] | None = None, rest_neural: bool = True) -> float:
     """SSD: a round waits for a fallback unless no sequence needs the neural one; the
     neural fallback drafts K steps for the missed rows, the fast one is free. fast: the
     misses the fast backup serves, as (share of the misses, its acceptance on them), the
-    rest the neural one's (core/fallback.py MatchAcceptance: by match length); a_fast:
-    every miss the fast backup's, at that acceptance. The draft's pre-speculation is
-    assumed hidden (it fits the round: fit_to_round)."""
+    rest the neural one's (core/fallback.py MatchAcceptance: by match length), or, with
+    rest_neural False, nobody's: they send nothing and decode one token, as the
+    controller does with a miss no draft makes worth verifying (choose_lengths). Where
+    the neural fallback's stall costs more than its tokens give (a batch of 4 and more,
+    with most positions matching nothing), that is the best the fast backup can do.
+    a_fast: every miss the fast backup's, at that acceptance. The draft's
+    pre-speculation is assumed hidden (it fits the round: fit_to_round)."""
     if k == 0:
         return target_alone_rate(batch, target_s)
     if a_fast is not None:
@@ -71,12 +75,15 @@ def ssd_rate(a: float, k: int, p_hit: float, batch: int, target_s, draft_step_s,
     fast = fast or []
     e = expected_tokens_per_round(a, k)
     served = min(1.0, sum(share for share, _ in fast))
+    e_rest = e if rest_neural else 1.0
     e_miss = (sum(share * expected_tokens_per_round(af, k) for share, af in fast)
-              + (1.0 - served) * e)
-    neural = (1.0 - p_hit) * (1.0 - served)  # a row's chance to need the neural fallback
+              + (1.0 - served) * e_rest)
+    # a row's chance to need the neural fallback, and to send k tokens
+    neural = (1.0 - p_hit) * (1.0 - served) if rest_neural else 0.0
+    sent = p_hit + (1.0 - p_hit) * served + neural
     stall = 0.0
     if neural > 0.0:
         rows = max(1, round(batch * neural))
         stall = (1.0 - (1.0 - neural) ** batch) * k * draft_step_s(rows)
     tokens = batch * (p_hit * e + (1.0 - p_hit) * e_miss)
-    return tokens / (target_s(batch * (k + 1)) + stall + overhead_s)
+    return tokens / (target_s(batch * (1 + k * sent)) + stall + overhead_s)

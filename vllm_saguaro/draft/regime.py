@@ -232,7 +232,10 @@ class RegimeChoice:
         batch size is found worth speculating on, the draft idles there for a few rounds
         anyway (a probe) and the next call decides with that measurement. Where the
         draft must first prefill the batch (catch_up_tokens) while the target loses the
-        lent cores, speculation's expected gain must pay that back (catch_up_pays)."""
+        lent cores, speculation's expected gain must pay that back (catch_up_pays).
+        Every idle but a probe names its lookup wake share: measured at batch 4 (T = 0),
+        a catch-up idle at the end of the MT-Bench set named none, and the draft idled
+        through the HumanEval set after it (30 s, the proposer's default recheck)."""
         ctl = self.cfg.controller
         if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
                 or not self.target_cost.known or not batch or self._explore > 0):
@@ -262,8 +265,9 @@ class RegimeChoice:
             gain = rate(batch) - batch / max(lent, 1e-9)
             lost = batch / max(lent, 1e-9) - batch / max(own, 1e-9)
             if not catch_up_pays(gain, catch_up_tokens * self.prefill_s_per_token, lost):
-                self.stats.catch_up_idles += 1
-                return IdleAdvice(batch - 1, probe=False)
+                self.stats.catch_up_idles += 1  # (the text may yet show lookups that pay)
+                return IdleAdvice(batch - 1, probe=False,
+                                  wake_share=self._lookup_wake_share(batch, plain))
         return None
 
     def _probe_due(self, batch: int, now: float) -> bool:
@@ -444,8 +448,8 @@ class RegimeChoice:
         # round with no hit (ssd_rate with p_hit 0 and no fast backup is sd_rate)
         fast = self._fast_backup_options(shares)
         expected = max((ssd_rate(a, k, 0.0, batch, verify.predict, draft.predict, fast=f,
-                                 overhead_s=over)
-                        for k in range(1, self._cap + 1) for f in fast), default=0.0)
+                                 rest_neural=r, overhead_s=over)
+                        for k in range(1, self._cap + 1) for f, r in fast), default=0.0)
         return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
 
     def _lent_sd_continues(self) -> bool:
@@ -495,24 +499,31 @@ class RegimeChoice:
         if not self.cfg.async_:
             return max((sd_rate(a, k, batch, t, d) for k in ks), default=0.0)
         fast = self._fast_backup_options(shares)
-        return max((ssd_rate(a, k, self.hit_rate, batch, t, d, fast=f) for k in ks for f in fast),
-                   default=0.0)
+        return max((ssd_rate(a, k, self.hit_rate, batch, t, d, fast=f, rest_neural=r)
+                    for k in ks for f, r in fast), default=0.0)
 
     def _fast_backup_options(self, shares: list[float] | None = None
-                             ) -> list[list[tuple[float, float]] | None]:
-        """The misses the fast backup may serve, as ssd_rate's `fast` (None: none, every
-        miss the neural fallback's), by config `fallback`: with `auto` the match lengths
-        its acceptance ranks highest first (the controller gives a miss the fast backup
-        where its match makes it worth more: core/fallback.py), one option per how many.
-        shares: of each match length (default: as they came up, MatchAcceptance)."""
+                             ) -> list[tuple[list[tuple[float, float]], bool]]:
+        """What the fast backup may do for the misses, as ssd_rate's (`fast`,
+        `rest_neural`), by config `fallback`: with `auto` the match lengths its
+        acceptance ranks highest first (the controller gives a miss the fast backup
+        where its match makes it worth more: core/fallback.py), one option per how many,
+        the other misses the neural fallback's or sending nothing; with `fast` the
+        same, the others sending nothing; with `neural` none ([], every miss the neural
+        fallback's). shares: of each match length (default: as they came up,
+        MatchAcceptance). Sending nothing is what the controller does with a miss
+        that no draft makes worth verifying (choose_lengths); at batch 4 and up, where
+        one neural stall holds the whole batch and every token sent widens the
+        verification, it is often the only way lookup drafts pay, and without it the
+        models (and the idle's lookup wake share) left that way out."""
         m = self.fast_acceptance
         by_rate = sorted(zip(shares or m.shares(), (m.rate(n) for n in range(len(m.fits)))),
                          key=lambda x: -x[1])
         if self.cfg.fallback == "neural":
-            return [None]
-        if self.cfg.fallback == "fast":
-            return [by_rate]
-        return [None] + [by_rate[:j] for j in range(1, len(by_rate) + 1)]
+            return [([], True)]
+        served = [by_rate[:j] for j in range(1, len(by_rate) + 1)]
+        rests = (False,) if self.cfg.fallback == "fast" else (True, False)
+        return [([], True)] * (self.cfg.fallback == "auto") + [(f, r) for f in served for r in rests]
 
     def _prespeculation_pays(self, batch: int) -> bool:
         """Pre-speculate only what the next step could use: with the fitted a_p, would any
