@@ -1225,8 +1225,9 @@ def test_an_idle_names_the_lookup_share_that_would_make_speculation_pay(tiny_tar
     """IdleAdvice.wake_share (_lookup_wake_share): where the neural draft does not pay
     (accepted rarely) and verifying more tokens costs, the share of 3-token matches at
     which SD on the lent cores with lookup drafts beats plain decoding by the margin, the
-    other positions sending nothing; None with no fast backup. And the text of a resynced sequence (after an idle)
-    replaces the match lengths that came up before, ahead of the step's idle decision
+    other positions sending nothing; None with no fast backup. And the text of a
+    resynced sequence (after an idle) replaces the match lengths that came up before,
+    ahead of the step's idle decision
     (_see_text); where it moved the share of 3-token matches by TEXT_CHANGE_SHARE, what
     both regimes gave is forgotten (measured on other text)."""
     from vllm_saguaro.core.controller import StepCost

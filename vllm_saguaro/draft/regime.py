@@ -446,10 +446,8 @@ class RegimeChoice:
         a, over = self.acceptance.rate, self.lent_sd_overhead or 0.0
         # SD with the fast backup for the sequences whose match makes it worth more: SSD's
         # round with no hit (ssd_rate with p_hit 0 and no fast backup is sd_rate)
-        fast = self._fast_backup_options(shares)
-        expected = max((ssd_rate(a, k, 0.0, batch, verify.predict, draft.predict, fast=f,
-                                 rest_neural=r, overhead_s=over)
-                        for k in range(1, self._cap + 1) for f, r in fast), default=0.0)
+        expected = self._best_ssd_rate(a, 0.0, batch, verify.predict, draft.predict,
+                                       shares, over)
         return self.lent_sd_realized.clamp(expected, batch, now) if measured else expected
 
     def _lent_sd_continues(self) -> bool:
@@ -495,12 +493,20 @@ class RegimeChoice:
         """Tokens per second speculation is expected to give at this batch size (shares:
         _fast_backup_options')."""
         a, t, d = self.acceptance.rate, self.target_cost.predict, self.draft_cost.predict
-        ks = range(1, self._cap + 1)
         if not self.cfg.async_:
-            return max((sd_rate(a, k, batch, t, d) for k in ks), default=0.0)
+            return max((sd_rate(a, k, batch, t, d) for k in range(1, self._cap + 1)),
+                       default=0.0)
+        return self._best_ssd_rate(a, self.hit_rate, batch, t, d, shares)
+
+    def _best_ssd_rate(self, a: float, p_hit: float, batch: int, target_s, draft_s,
+                       shares: list[float] | None = None, overhead_s: float = 0.0) -> float:
+        """core/theory.py ssd_rate at the best K up to the cap and the best of the fast
+        backup's options (_fast_backup_options, by `shares`): SSD's model (_expected_rate)
+        and, with no hit, SD on the lent cores' (_lent_sd_rate)."""
         fast = self._fast_backup_options(shares)
-        return max((ssd_rate(a, k, self.hit_rate, batch, t, d, fast=f, rest_neural=r)
-                    for k in ks for f, r in fast), default=0.0)
+        return max((ssd_rate(a, k, p_hit, batch, target_s, draft_s, fast=f, rest_neural=r,
+                             overhead_s=overhead_s)
+                    for k in range(1, self._cap + 1) for f, r in fast), default=0.0)
 
     def _fast_backup_options(self, shares: list[float] | None = None
                              ) -> list[tuple[list[tuple[float, float]], bool]]:
@@ -522,8 +528,9 @@ class RegimeChoice:
         if self.cfg.fallback == "neural":
             return [([], True)]
         served = [by_rate[:j] for j in range(1, len(by_rate) + 1)]
-        rests = (False,) if self.cfg.fallback == "fast" else (True, False)
-        return [([], True)] * (self.cfg.fallback == "auto") + [(f, r) for f in served for r in rests]
+        if self.cfg.fallback == "fast":
+            return [(f, False) for f in served]
+        return [([], True)] + [(f, r) for f in served for r in (True, False)]
 
     def _prespeculation_pays(self, batch: int) -> bool:
         """Pre-speculate only what the next step could use: with the fitted a_p, would any
