@@ -47,7 +47,7 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
 PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s",
                  "draft_step_s", "unpack_s", "hit_rounds", "hit_reply_s", "miss_reply_s",
                  "target_rounds", "target_s", "plain_rounds", "idle_rounds", "lent_sd_rounds",
-                 "transfer_bytes")
+                 "transfer_bytes", "idle_lookup_rounds")
 DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "fast_seqs", "fast_rounds",
                 "branches", "hit_outcomes", "hit_tokens", "neural_outcomes", "neural_tokens",
                 "fast_outcomes", "fast_tokens", "miss_k", "miss_bonus", "miss_cut_short",
@@ -80,6 +80,7 @@ class System:
     schedule: tuple | None = None   # vLLM's num_speculative_tokens_per_batch_size
     runtime: str | None = None      # the plugin's draft_runtime (None: its default)
     regime: str | None = None       # the plugin's controller.regime (None: its default)
+    idle_lookup: bool = True        # the plugin's controller.idle_lookup
 
     @property
     def plugin(self) -> bool:
@@ -110,6 +111,8 @@ class System:
             name += "-" + self.runtime
         if self.regime:
             name += "-" + self.regime
+        if not self.idle_lookup:
+            name += "-nolookup"
         return name + ("-2c" if self.cores == 2 else "")
 
     def spec(self, draft: str, s: "Settings") -> dict | None:
@@ -129,6 +132,8 @@ class System:
             spec["controller"] = {"policy": self.controller}
         if self.regime:
             spec["controller"] = {**spec.get("controller", {}), "regime": self.regime}
+        if not self.idle_lookup:
+            spec["controller"] = {**spec.get("controller", {}), "idle_lookup": False}
         if self.schedule:
             spec["num_speculative_tokens_per_batch_size"] = [list(r) for r in self.schedule]
         if self.runtime:
@@ -214,7 +219,9 @@ def plan_systems(s: Settings) -> list[System]:
                     System("ssd", k, budget=s.budget, runtime="ray"),
                     # pre-speculation only: never SD on the lent cores (regime auto,
                     # the default, takes it where the controller expects it faster)
-                    System("ssd", k, budget=s.budget, regime="ssd")]
+                    System("ssd", k, budget=s.budget, regime="ssd"),
+                    # no lookup drafts of the proposer's own while the draft idles
+                    System("ssd", k, budget=s.budget, idle_lookup=False)]
     if s.systems:
         unknown = set(s.systems) - {x.name for x in systems}
         if unknown:
@@ -499,7 +506,9 @@ def lengths_sent(rec: dict) -> dict | None:
             "mean": sum(n * x for n, x in enumerate(sent)) / sum(sent),
             "plain_share": c.get("plugin.plain_rounds", 0) / rounds if rounds else None,
             "idle_share": c.get("plugin.idle_rounds", 0) / rounds if rounds else None,
-            "lent_sd_share": c.get("plugin.lent_sd_rounds", 0) / rounds if rounds else None}
+            "lent_sd_share": c.get("plugin.lent_sd_rounds", 0) / rounds if rounds else None,
+            "idle_lookup_share": (c.get("plugin.idle_lookup_rounds", 0) / rounds
+                                  if rounds else None)}
 
 
 def accept_len_by_source(c: dict) -> tuple[float | None, float | None]:
@@ -823,11 +832,13 @@ def lengths_table(records: list[dict]) -> list[str]:
         return []
     lines = ["", "## Lengths sent (the controller; shares of sequence-rounds)", "",
              "| dataset | T | b | system | 0 / 1 / .. / K | mean length | plain-decoding rounds "
-             "| draft idle | SD on the lent cores | accept len |", "|" + "---|" * 10]
+             "| draft idle | its lookup drafts | SD on the lent cores | accept len |",
+             "|" + "---|" * 11]
     for r, x in rows:
         lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {r['system']} "
                      f"| {' / '.join(f'{v:.2f}' for v in x['shares'])} | {x['mean']:.2f} "
                      f"| {_f(x['plain_share'])} | {_f(x['idle_share'])} "
+                     f"| {_f(x.get('idle_lookup_share'))} "
                      f"| {_f(x.get('lent_sd_share'))} | {_f(r['accept_len'])} |")
     return lines
 

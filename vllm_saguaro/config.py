@@ -78,6 +78,11 @@ class ControllerConfig(BaseModel):
     lend_cores: bool = Field(
         True, description="CPU: while the draft idles, the target's threads run on the "
         "draft's cores too (vllm_glue/lending.py), so plain decoding has every core")
+    idle_lookup: bool = Field(
+        True, description="while the draft idles, the target's process sends prompt lookup "
+        "drafts of its own (continuations of an earlier occurrence of the last tokens) "
+        "where the same objective finds they pay (core/idle_lookup.py); not with "
+        "fallback 'neural'")
     regime: Literal["ssd", "auto", "lent_sd"] = Field(
         "auto", description="CPU with lend_cores: how a round speculates. ssd: the draft "
         "pre-speculates on its own cores while the target verifies on its own; lent_sd: "
@@ -86,6 +91,10 @@ class ControllerConfig(BaseModel):
         "is expected faster at the batch size running (plain decoding on every core when "
         "neither beats it; SD on the lent cores taken up only 5% ahead, "
         "core/controller.py lent_sd_worth). README, issue 19's tenth and eleventh rounds")
+    force_idle_lookup: bool = Field(
+        False, description="testing switch: the draft idles at every batch size and the "
+        "proposer's lookup drafts send every token they have (idle_lookup's losslessness "
+        "tests)")
     force_lengths: list[int] | None = Field(
         None, description="testing switch: row i of round r sends force_lengths[(i + r) % n] "
         "tokens (capped by what it has); the losslessness tests use it for mixed lengths")

@@ -608,9 +608,57 @@ def test_a_batch_the_draft_must_first_prefill_idles_unless_the_gain_repays_it(ti
     w._expected_rate = lambda b, shares=None: plain + 1.0
     assert w._idle_limit(1, 2000) == IdleAdvice(0, probe=False)
     # such an idle names its lookup wake share too: text that shows it wakes the draft
+    # (without the proposer's own lookup drafts, whose rate would be the bar: below)
     w.cfg.fallback = "auto"
+    w.cfg.controller.idle_lookup = False
     advice = w._idle_limit(1, 2000)
     assert advice.limit == 0 and advice.wake_share in LOOKUP_WAKE_SHARES
+    assert advice.lookup is None
+
+
+def test_an_idle_hands_the_proposer_its_lookup_drafts_lines_and_rates(tiny_target):
+    """IdleAdvice.lookup (_idle_lookup_advice): the fast backup's rates by match length
+    and plain decoding's line on the lent cores (not SD on the lent cores' verification
+    line, measured after the draft's turn); none with fallback 'neural', with
+    controller.idle_lookup off, or for a probe. The wake share then has the proposer's
+    own lookup drafts as its bar: a higher share, or none."""
+    from vllm_saguaro.core.controller import StepCost
+    from vllm_saguaro.core.fanout import AcceptanceFit
+    from vllm_saguaro.draft.regime import LOOKUP_WAKE_SHARES, IdleAdvice
+
+    w = lent_worker(tiny_target, regime="auto")
+    w.cfg.fallback = "auto"
+    for _ in range(60):
+        w.fast_acceptance.observe(3, 3, 3)
+    lookup = w._idle_lookup_advice()
+    assert lookup.rates == tuple(w.fast_acceptance.rate(n) for n in range(4))
+    assert lookup.rates[3] > 0.8
+    assert lookup.plain == pytest.approx(w.lent_cost.line())
+    w.lent_sd_cost = StepCost()
+    for width in (2, 4):
+        w.lent_sd_cost.observe(width, 0.05 + 0.002 * width)
+    assert w._idle_lookup_advice().plain == pytest.approx(w.lent_cost.line())
+    advice = w._watching(IdleAdvice(0, probe=False), 1, w._plain_s())
+    assert advice.lookup == w._idle_lookup_advice()
+    # where only lookup drafts pay (the neural draft of no use), the draft woken would
+    # add nothing to the proposer's own: no share wakes it (as in the wake share's test)
+    w.acceptance = AcceptanceFit(0.05, prior_weight=1e6)
+    w.lent_cost, w.lent_sd_cost = StepCost(), StepCost()
+    for _ in range(4):
+        for width, seconds in [(1, 0.03), (4, 0.06)]:
+            w.lent_cost.observe(width, seconds)
+    for _ in range(60):
+        w.fast_acceptance.observe(3, 2, 3)
+        w.fast_acceptance.observe(0, 0, 1)
+    assert w._lookup_wake_share(1, w._plain_s()) in LOOKUP_WAKE_SHARES
+    assert w._watching(IdleAdvice(0, probe=False), 1, w._plain_s()).wake_share is None
+    w.cfg.controller.idle_lookup = False
+    assert w._idle_lookup_advice() is None
+    w.cfg.controller.idle_lookup, w.cfg.fallback = True, "neural"
+    assert w._idle_lookup_advice() is None
+    w.cfg.fallback = "auto"
+    w._probed, w.lent_widths = {}, set()  # never measured at batch 1: a probe, plain
+    assert w._idle_limit(1) == IdleAdvice(0, probe=True)
 
 
 def test_the_catch_up_counts_the_tokens_beyond_the_kv_the_draft_holds(tiny_target):

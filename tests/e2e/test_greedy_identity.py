@@ -53,7 +53,8 @@ def run_all(llm, stop_params):
 
 @pytest.mark.parametrize("variant", ["ssd", "forced_miss", "sync_sd", "geometric", "probable",
                                      "fast_fallback", "auto_fallback", "mixed_lengths",
-                                     "nothing_sent", "controller", "geometric_ops"])
+                                     "nothing_sent", "controller", "geometric_ops",
+                                     "idle_lookup"])
 def test_greedy_identical(tiny_target, spec_base, reference, variant, monkeypatch):
     ref, stop_params = reference
     spec = dict(spec_base)
@@ -78,6 +79,8 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant, monkeypatc
     elif variant == "controller":  # the defaults: the controller decides, fallback auto
         spec.update(controller={"policy": "auto"}, fallback="auto",
                     fanout={"policy": "probable", "budget": 8})
+    elif variant == "idle_lookup":  # the draft idles; the proposer's lookup drafts, K each
+        spec.update(controller={"policy": "auto", "force_idle_lookup": True}, fallback="auto")
     llm = make_llm(tiny_target, spec)
     before = saguaro_counters(llm)
     got = run_all(llm, stop_params)
@@ -96,6 +99,12 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant, monkeypatc
     if variant == "nothing_sent":
         assert delta.get("vllm:spec_decode_num_drafts", 0) == 0 and sum(sent[1:]) == 0
         assert m.plain_rounds == m.rounds > 0
+        return
+    if variant == "idle_lookup":  # rounds without the draft verified its lookup drafts
+        assert m.idle_lookup_rounds > 0 and sent[3] > 0 and m.rounds < m.idle_rounds, (
+            m.idle_lookup_rounds, sent, m.rounds, m.idle_rounds)
+        assert delta["vllm:spec_decode_num_drafts"] > 0
+        assert delta["vllm:spec_decode_num_accepted_tokens"] > 0
         return
     if variant == "controller":  # whatever it chose, every round is accounted for
         assert sum(sent) >= m.rounds > 0

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.e2e.conftest import make_llm, release
+from tests.e2e.conftest import make_llm, release, saguaro_counters
 from tests.stats import chi_square_pvalue, exact_two_token_distribution
 
 PROMPT = [1, 17, 42, 99, 300, 7, 250]
@@ -30,10 +30,10 @@ def exact(tiny_target):
 
 
 def sample_pairs(target, spec, n=N, temperature=1.0, top_p=1.0, q_rounds=None,
-                 draft_stats=None) -> dict:
+                 draft_stats=None, metrics=None) -> dict:
     """Counts of the first two sampled tokens; q_rounds (a list) gets, per round, whether
     the plugin handed draft distributions q to the verifier; draft_stats (a dict) the
-    draft worker's counters."""
+    draft worker's counters; metrics (a dict) the proposer's and vLLM's counters."""
     from vllm import SamplingParams
 
     from vllm_saguaro.vllm_glue.offline import find_proposer
@@ -57,6 +57,8 @@ def sample_pairs(target, spec, n=N, temperature=1.0, top_p=1.0, q_rounds=None,
         counts[(t[0], t[1])] = counts.get((t[0], t[1]), 0) + 1
     if draft_stats is not None:
         draft_stats.update(find_proposer(llm).draft_stats())
+    if metrics is not None:
+        metrics.update(find_proposer(llm).metrics.as_dict(), **saguaro_counters(llm))
     release(llm)
     return counts
 
@@ -106,6 +108,22 @@ def test_saguaro_ssd_matches_exact(tiny_target, spec_base, name):
         assert any(q_rounds) or overrides["controller"].get("policy") == "auto"
     else:
         assert q_rounds and all(q_rounds)
+
+
+def test_idle_lookup_drafts_match_exact(tiny_target, spec_base):
+    """controller.force_idle_lookup: the draft idles, and every request after its first
+    token sends the proposer's own prompt lookup draft, verified with a one-hot q
+    (SaguaroProposer._lookup_probs): the second token is the verified one."""
+    exact = exact_two_token_distribution(tiny_target, PROMPT)
+    metrics: dict = {}
+    counts = sample_pairs(tiny_target, dict(spec_base, fallback="auto", controller={
+        "policy": "auto", "force_idle_lookup": True}), metrics=metrics)
+    assert_follows(counts, exact, "idle lookup")
+    assert metrics["idle_lookup_rounds"] > 0 and metrics["rounds"] < metrics["idle_rounds"]
+    accepted = metrics["vllm:spec_decode_num_accepted_tokens"]
+    print(f"idle lookup: {accepted:.0f} of {metrics['vllm:spec_decode_num_draft_tokens']:.0f} "
+          "draft tokens accepted")
+    assert accepted > 0.1 * N, "too few drafts accepted for the test to see a biased q"
 
 
 @pytest.mark.parametrize("name", ["T1-C0-geometric", "T1.5-topp0.9-C0.5"])

@@ -1,9 +1,13 @@
 """The proposer's idle state: while the controller says speculation cannot pay at the
 batch size running, rounds are answered without the draft (plain decoding)."""
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from vllm_saguaro.core.controller import StepCost
+from vllm_saguaro.core.idle_lookup import IdleLookup, IdleLookupAdvice
+from vllm_saguaro.core.sampling import SamplingSpec
 from vllm_saguaro.vllm_glue import proposer as mod
 from vllm_saguaro.vllm_glue.metrics import SaguaroMetrics
 
@@ -23,6 +27,9 @@ def idle_proposer(limit):
     p.lending = None
     p.lent_sd = False
     p._wake_share, p._lookup, p._lookup_woke = None, None, float("-inf")
+    p._idle_lookup, p._looked_up = None, False
+    p.cfg = SimpleNamespace(num_speculative_tokens=3)
+    p.vocab_size = 16
     return p
 
 
@@ -88,13 +95,12 @@ def test_an_empty_batch_lends_the_cores_and_the_drafts_next_call_takes_them_back
     """The prefills of the next batch run on the draft's cores too (the draft has no part
     in them); the first round that calls the draft gives them back before the call."""
     import torch
-    from types import SimpleNamespace
 
     p = idle_proposer(None)
     p.supervisor = _Supervisor()
     p.supervisor.available = lambda: True
     p.supervisor.resync = False
-    p.cfg = SimpleNamespace(draft_sampling="target", async_=True)
+    p.cfg = SimpleNamespace(draft_sampling="target", async_=True, num_speculative_tokens=3)
     p.channel = None
     p.lending = _Lending()
     p.note_gone({"a"})
@@ -130,14 +136,13 @@ def test_sd_on_the_lent_cores_keeps_the_team_whole():
     while the draft drafts (the target only waits); a round with a new sequence gives
     them back first (its prompt goes to the pre-speculation's glue pass)."""
     import torch
-    from types import SimpleNamespace
 
     p = idle_proposer(None)
     p.supervisor = _Supervisor()
     p.supervisor.available = lambda: True
     p.supervisor.resync = False
     p.supervisor.ready = lambda ref: False
-    p.cfg = SimpleNamespace(draft_sampling="target", async_=True)
+    p.cfg = SimpleNamespace(draft_sampling="target", async_=True, num_speculative_tokens=3)
     p.channel = None
     p.lending = _Lending()
     calls, regime = [], iter([False, True, True, False, True, False])
@@ -379,7 +384,6 @@ def test_target_placement_warns_only_where_the_draft_cores_are_not_lent(monkeypa
     did not bind the target), none where they are (the lent team's thread is there by
     design)."""
     import logging
-    from types import SimpleNamespace
 
     from vllm_saguaro.vllm_glue import proposer
 
@@ -421,3 +425,44 @@ def test_an_idle_ends_once_the_text_shows_its_lookup_wake_share():
     p._wake_share, p._lookup = 0.5, LookupWatch()
     p._watch_lookup([[7]] * 8, [60] * 8, code.repeat(8, 1))
     assert p._lookup.seen == mod.LOOKUP_ROWS
+
+
+def test_an_idle_sends_its_own_lookup_drafts_where_they_pay():
+    """IdleAdvice.lookup: while idle the proposer drafts from each decoding row's own
+    tokens (core/idle_lookup.py), without the draft (_NoActor): a row continuing a
+    3-token match sends its continuation, one of prose nothing, a seeded sampled row
+    nothing (its drafts must not depend on timing). Greedy rows: no q; with a sampled
+    row sending, q one-hot on every row's drafted tokens. The next round learns what
+    was accepted and measures the step as a verification's."""
+    import torch
+
+    code = [1, 2, 3, 4] * 5                     # ... 2 3 4 | continues 1 2 3
+    prose = list(range(100, 120))               # no token repeats
+    tokens = torch.tensor([code, prose, code])
+    p = idle_proposer(0)
+    p._idle_lookup = IdleLookup(IdleLookupAdvice((0.02, 0.15, 0.35, 0.8), (0.036, 0.001)))
+    greedy = lambda rid: SamplingSpec()  # noqa: E731
+    drafts, probs = p.propose_round(["a", "b", "c"], [20, 20, 20], tokens, [[4], [119], [4]],
+                                    set(), greedy)
+    assert drafts == [[1, 2, 3], [], [1, 2, 3]] and probs is None
+    assert p._width == 3 + 6 and p._drafted
+    assert p.metrics.idle_rounds == 1 and p.metrics.idle_lookup_rounds == 1
+    assert p.metrics.sent[3] == 2 and p.metrics.sent[0] == 1 and p.metrics.plain_rounds == 0
+
+    specs = {"a": SamplingSpec(1.0), "b": SamplingSpec(), "c": SamplingSpec(1.0, seed=7)}
+    p._last_done = time.perf_counter() - 0.04
+    accepted = torch.tensor([code + [1, 2, 3, 4], prose + [120, 121, 0, 0], code + [1, 2, 3, 4]])
+    drafts, probs = p.propose_round(["a", "b", "c"], [24, 22, 24], accepted,
+                                    [[1, 2, 3, 4], [121], [1, 2, 3, 4]], set(), specs.get)
+    assert drafts == [[1, 2, 3], [], []]       # "c" is seeded
+    assert probs.shape == (3, 3, 16)
+    assert probs[0].argmax(-1).tolist() == [1, 2, 3] and probs[0].sum() == 3
+    assert probs[1:].sum() == 0
+    look = p._idle_lookup
+    assert look.fits[3].accepted > 0 and look.fits[3].rejected == 0  # all 3 accepted
+    assert look.verify.predict(9) < StepCost(0.036, 0.001).predict(9)  # 40 ms, not 45
+    assert p.target_steps == []  # the IdleLookup's alone, not the worker's (SD's line)
+
+    p.idle_above = 1
+    assert not p._idle(ids(1), 1, set())       # the batch shrank: the idle ends
+    assert p._idle_lookup is None

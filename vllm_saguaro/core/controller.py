@@ -403,6 +403,12 @@ class StepCost:
         mt = self.t0 / self.s0  # t = fixed (1 + token_cost * w) at the mean width
         return self.token_cost * mt / (1.0 + self.token_cost * mw)
 
+    def line(self) -> tuple[float, float]:
+        """(fixed_s, per_token_s) of the line predict draws (its fixed part at least 0),
+        e.g. as the prior of another StepCost that goes on from this one's measurements."""
+        slope = self.slope()
+        return max(self.t0 / self.s0 - slope * self.s1 / self.s0, 0.0), slope
+
     def predict(self, width: int) -> float:
         """Seconds for a step of `width`; 0.0 while nothing is known (optimistic: the
         first use measures it)."""

@@ -125,7 +125,11 @@ class LookupWatch:
 
     def observe(self, tokens: list[int]) -> None:
         """One position: the sequence's tokens so far."""
-        long = ngram_match(tokens, 1, self.max_n).n >= self.max_n
+        self.observe_match(ngram_match(tokens, 1, self.max_n).n)
+
+    def observe_match(self, n: int) -> None:
+        """One position whose lookup draft continues a match of n tokens (made already)."""
+        long = n >= self.max_n
         self.matched = self.decay * self.matched + long
         self.positions = self.decay * self.positions + 1.0
         self.seen += 1

@@ -23,6 +23,7 @@ from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beat
                                           catch_up_pays, lent_sd_pays, lent_sd_worth,
                                           speculation_pays)
 from vllm_saguaro.core.fallback import recent_matches
+from vllm_saguaro.core.idle_lookup import IdleLookupAdvice, idle_lookup_rate
 from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
 from vllm_saguaro.draft.drafting import lcp
 from vllm_saguaro.draft.state import Update
@@ -104,13 +105,16 @@ class IdleAdvice(NamedTuple):
     ask again as soon as every request of the batch is one that joined since (what was
     measured is of text that is gone); `wake_share`: ask again once this share of the
     batch's latest positions continue a 3-token match (LOOKUP_WAKE_SHARES: the proposer
-    watches the text while the draft idles; None: no share would make speculation pay)."""
+    watches the text while the draft idles; None: no share would make speculation pay);
+    `lookup`: meanwhile the proposer sends prompt lookup drafts of its own where they pay
+    (core/idle_lookup.py; None: it sends nothing)."""
 
     limit: int
     probe: bool
     recheck_s: float | None = None
     new_text: bool = False
     wake_share: float | None = None
+    lookup: IdleLookupAdvice | None = None
 
 
 class RegimeChoice:
@@ -237,6 +241,9 @@ class RegimeChoice:
         a catch-up idle at the end of the MT-Bench set named none, and the draft idled
         through the HumanEval set after it (30 s, the proposer's default recheck)."""
         ctl = self.cfg.controller
+        if ctl.force_idle_lookup:  # (testing switch) idle at every batch size, every row sends
+            return IdleAdvice(0, probe=False, lookup=IdleLookupAdvice(
+                (1.0,) * len(self.fast_acceptance.fits), (1.0, 0.0), forced=True))
         if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
                 or not self.target_cost.known or not batch or self._explore > 0):
             return None  # (_explore: trying SD on the lent cores after a close idle)
@@ -249,8 +256,7 @@ class RegimeChoice:
 
         limit = batch_limit(rate, plain, max_batch=batch)
         if limit < batch:
-            advice = self._close_idle(limit, batch, plain)
-            return advice._replace(wake_share=self._lookup_wake_share(batch, plain))
+            return self._watching(self._close_idle(limit, batch, plain), batch, plain)
         if self.lent_cost is not None and self._probe_due(batch, now):
             if batch in self.lent_widths:  # measured before: the probe's rounds decide
                 self.lent_cost.discount(LENT_REPROBE_KEEP)
@@ -266,9 +272,31 @@ class RegimeChoice:
             lost = batch / max(lent, 1e-9) - batch / max(own, 1e-9)
             if not catch_up_pays(gain, catch_up_tokens * self.prefill_s_per_token, lost):
                 self.stats.catch_up_idles += 1  # (the text may yet show lookups that pay)
-                return IdleAdvice(batch - 1, probe=False,
-                                  wake_share=self._lookup_wake_share(batch, plain))
+                return self._watching(IdleAdvice(batch - 1, probe=False), batch, plain)
         return None
+
+    def _watching(self, advice: IdleAdvice, batch: int, plain_s) -> IdleAdvice:
+        """An idle (not a probe: that measures plain decoding) with what the proposer
+        does meanwhile: its own lookup drafts (_idle_lookup_advice) and the share of
+        3-token matches that wakes the draft (_lookup_wake_share)."""
+        lookup = self._idle_lookup_advice()
+        return advice._replace(lookup=lookup,
+                               wake_share=self._lookup_wake_share(batch, plain_s, lookup))
+
+    def _idle_lookup_advice(self) -> IdleLookupAdvice | None:
+        """The proposer's prompt lookup while the draft idles (core/idle_lookup.py): the
+        fast backup's rates by match length and plain decoding's line on the cores the
+        target then has (the lent cores', else its own). None where lookup drafts are no
+        option (config controller.idle_lookup, fallback 'neural') or no line is known
+        yet."""
+        if not self.cfg.controller.idle_lookup or self.cfg.fallback == "neural":
+            return None
+        lending = self.lent_cost is not None and self.lent_cost.known
+        plain = self.lent_cost if lending else self.target_cost
+        if not plain.known:
+            return None
+        rates = tuple(self.fast_acceptance.rate(n) for n in range(len(self.fast_acceptance.fits)))
+        return IdleLookupAdvice(rates, plain.line())
 
     def _probe_due(self, batch: int, now: float) -> bool:
         """Plain decoding on the lent cores is to be measured at this batch size: never
@@ -316,22 +344,29 @@ class RegimeChoice:
                           recheck_s=CLOSE_RECHECK_S if batch in self.lent_sd_paid else None,
                           new_text=batch in self.lent_sd_ever_paid)
 
-    def _lookup_wake_share(self, batch: int, plain_s) -> float | None:
+    def _lookup_wake_share(self, batch: int, plain_s,
+                           lookup: IdleLookupAdvice | None = None) -> float | None:
         """The lowest share of positions continuing a 3-token match (LOOKUP_WAKE_SHARES,
         the rest matching nothing) at which the models (unclamped: what was measured was
-        of other text) put SSD or SD on the lent cores LOOKUP_WAKE_MARGIN above plain
-        decoding (plain_s: its step time); None where no share does, or where the fast
-        backup is no option."""
+        of other text) put SSD or SD on the lent cores LOOKUP_WAKE_MARGIN above what the
+        idle gives: plain decoding (plain_s: its step time), or with `lookup` the
+        proposer's own lookup drafts at that share (core/idle_lookup.py
+        idle_lookup_rate); None where no share does, or where the fast backup is no
+        option."""
         if self.cfg.fallback == "neural" or not self.cfg.async_:
             return None
         plain = batch / max(plain_s(batch), 1e-9)
         now = time.perf_counter()
         lengths = len(self.fast_acceptance.fits)
+        if lookup is not None:
+            lines = (StepCost(*lookup.plain).predict,) * 2  # (IdleLookup: a verification's)
         for share in LOOKUP_WAKE_SHARES:
             shares = [1.0 - share] + [0.0] * (lengths - 2) + [share]
             lent_sd = self._lent_sd_rate(batch, now, measured=False, shares=shares)
             best = max(self._expected_rate(batch, shares), lent_sd or 0.0)
-            if best > (1.0 + LOOKUP_WAKE_MARGIN) * plain:
+            idle = plain if lookup is None else idle_lookup_rate(
+                batch, share, lookup.rates[-1], self.K, *lines)
+            if best > (1.0 + LOOKUP_WAKE_MARGIN) * idle:
                 return share
         return None
 

@@ -48,6 +48,9 @@ def _counters() -> dict:
             "plain": c("plain_rounds", "Rounds in which no sequence sent draft tokens"),
             "idle": c("idle_rounds", "Plain rounds in which the draft was not called at all "
                       "(speculation cannot pay at that batch size)"),
+            "idle_lookup": c("idle_lookup_rounds", "Rounds in which the draft was not "
+                             "called and the proposer sent prompt lookup drafts of its own "
+                             "(controller.idle_lookup)"),
             "lent_sd": c("lent_sd_rounds", "Rounds of SD on the lent cores (CPU): the draft "
                          "drafted while the target waited, and the target verified on every "
                          "core, the draft's included"),
@@ -97,6 +100,7 @@ class SaguaroMetrics:
     plain_rounds: int = 0
     idle_rounds: int = 0
     lent_sd_rounds: int = 0       # rounds of SD on the lent cores (controller.regime)
+    idle_lookup_rounds: int = 0   # idle rounds with the proposer's own lookup drafts
     # The draft worker's failures (vllm_glue/supervisor.py), restarts, rounds without it
     draft_failures: int = 0
     draft_restarts: int = 0
@@ -152,11 +156,16 @@ class SaguaroMetrics:
             c["lent_sd"].inc()
         self._maybe_log()
 
-    def record_idle_round(self, seqs: int) -> None:
-        """A round the proposer answered without the draft: every sequence sends nothing."""
+    def record_idle_round(self, lengths: list[int]) -> None:
+        """A round the proposer answered without the draft: the tokens each decoding
+        sequence sent, prompt lookup drafts of the proposer's own (core/idle_lookup.py)
+        or nothing."""
         self.idle_rounds += 1
         _counters()["idle"].inc()
-        self._count_lengths([0] * seqs)
+        if any(lengths):
+            self.idle_lookup_rounds += 1
+            _counters()["idle_lookup"].inc()
+        self._count_lengths(lengths)
         self._maybe_log()
 
     def record_down_round(self, seqs: int) -> None:
@@ -207,7 +216,8 @@ class SaguaroMetrics:
         rounds = self.rounds + self.idle_rounds + self.down_rounds
         return (f"lengths sent 0..{len(self.sent) - 1}: {shares}%, plain-decoding rounds "
                 f"{100 * self.plain_rounds / max(rounds, 1):.0f}% (draft idle in "
-                f"{100 * self.idle_rounds / max(rounds, 1):.0f}%), SD on the lent cores in "
+                f"{100 * self.idle_rounds / max(rounds, 1):.0f}%, its prompt lookup in "
+                f"{100 * self.idle_lookup_rounds / max(rounds, 1):.0f}%), SD on the lent cores in "
                 f"{100 * self.lent_sd_rounds / max(rounds, 1):.0f}%")
 
     def summary(self) -> str:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_saguaro.config import SaguaroConfig
-from vllm_saguaro.core.fallback import LookupWatch
+from vllm_saguaro.core.fallback import FastDraft, LookupWatch, ngram_match
+from vllm_saguaro.core.idle_lookup import IdleLookup
 from vllm_saguaro.core.outcome import is_consistent
 from vllm_saguaro.core.placement import process_threads
 from vllm_saguaro.core.sampling import SamplingSpec, unpack_counts
@@ -157,6 +158,7 @@ class SaguaroProposer:
         # measured since the last call: (width, seconds, lent, with draft tokens)
         self.target_steps: list[tuple[int, float, bool, bool]] = []
         self._drafted = False  # the next target step verifies draft tokens
+        self._looked_up = False  # ... the idle's own lookup drafts (_look_up)
         self._width: int | None = None    # tokens the last round verified (None: not clean)
         self._last_done: float | None = None
         self._prev_ids: set[str] = set()  # the batch's requests at the last call
@@ -170,6 +172,8 @@ class SaguaroProposer:
         # IdleAdvice.wake_share: this idle ends once the text shows it (LookupWatch)
         self._wake_share: float | None = None
         self._lookup: LookupWatch | None = None
+        # IdleAdvice.lookup: this idle's own prompt lookup drafts (None: it sends nothing)
+        self._idle_lookup: IdleLookup | None = None
         self._lookup_woke = float("-inf")  # when an idle last ended so (monotonic)
         # requests finished or preempted that the draft worker has not been told of yet
         self._gone: set[str] = set()
@@ -259,23 +263,39 @@ class SaguaroProposer:
         # request that joined the batch had its prefill in it), not after an idle gap
         joined = bool(set(req_ids) - self._prev_ids)
         self._prev_ids = set(req_ids)
+        step = None
         if (self._width is not None and not joined and self._last_done is not None
                 and start - self._last_done < 5.0):
             lent = self.lending is not None and self.lending.lent
             step = (self._width, start - self._last_done, lent, self._drafted)
-            self.target_steps = (self.target_steps + [step])[-STEPS_SENT:]
+            if not self._looked_up:
+                # (a verification of the idle's lookup drafts is the IdleLookup's alone:
+                # measured, the worker took it for one of SD on the lent cores, which
+                # follows the draft's turn on the target's cores and costs more; that
+                # line fell, and SD on the lent cores ran at 0.76x plain decoding)
+                self.target_steps = (self.target_steps + [step])[-STEPS_SENT:]
         decoding = sum(1 for s in sampled_token_ids if s)
         self._width = None
+        k = self.cfg.num_speculative_tokens
+        cap = k if k_cap is None else min(k_cap, k)  # the most tokens a row may send
+        looked_up = self._look_up(req_ids, num_tokens, token_ids_cpu, sampled_token_ids,
+                                  sampling_of, cap, step)
         # a batch arriving: requests joined, and the draft holds none of the batch's yet
         arriving = joined and not any(rid in self.mirror for rid in req_ids)
-        woken = self._watch_lookup(sampled_token_ids, num_tokens, token_ids_cpu)
+        woken = self._watch_lookup(sampled_token_ids, num_tokens, token_ids_cpu, looked_up)
         if self._idle(req_ids, decoding, finished, arriving, woken):
-            self._width = decoding if decoding == len(req_ids) else None
-            self._drafted = False
-            self.metrics.record_idle_round(decoding)
+            drafts = [[] for _ in req_ids]
+            if self._idle_lookup is not None and looked_up is not None:
+                lengths = self._idle_lookup.lengths(
+                    req_ids, [None if d is None else d.n for d in looked_up], cap)
+                drafts = [d.tokens[:n] if n else [] for d, n in zip(looked_up, lengths)]
+            self._width = (decoding + sum(map(len, drafts))) if decoding == len(req_ids) else None
+            self._drafted = self._looked_up = any(drafts)
+            self.metrics.record_idle_round([len(d) for d, s in zip(drafts, sampled_token_ids) if s])
+            probs = self._lookup_probs(req_ids, drafts, sampling_of) if self._drafted else None
             self._last_done = time.perf_counter()
             self.metrics.round_done(self._last_done)
-            return [[] for _ in req_ids], None
+            return drafts, probs
         finished = finished | self._gone
         self._gone = set()
         if not self.supervisor.available():  # failed; a new worker may be starting
@@ -336,6 +356,7 @@ class SaguaroProposer:
             self._probe_rounds = PROBE_ROUNDS if limit.probe else None
             self._wake_share = limit.wake_share
             self._lookup = LookupWatch() if limit.wake_share is not None else None
+            self._idle_lookup = None if limit.lookup is None else IdleLookup(limit.lookup)
             if self.lending is not None:
                 self.lending.lend()
         elif self.lent_sd:  # the target verifies on every core; nothing to pre-speculate
@@ -358,7 +379,7 @@ class SaguaroProposer:
         # the next target step is clean (decode only) when no row is still prefilling
         if rows and len(rows) == len(req_ids):
             self._width = sum(1 + len(d) for d in drafts)
-            self._drafted = any(drafts)
+            self._drafted, self._looked_up = any(drafts), False
         self._last_done = time.perf_counter()
         self.metrics.round_done(self._last_done)
         return drafts, probs
@@ -411,17 +432,57 @@ class SaguaroProposer:
         self.metrics.round_done(self._last_done)
         return [[] for _ in range(rows)], None
 
-    def _watch_lookup(self, sampled_token_ids, num_tokens, token_ids_cpu) -> bool:
+    def _look_up(self, req_ids, num_tokens, token_ids_cpu, sampled_token_ids, sampling_of,
+                 cap: int, step) -> list[FastDraft | None] | None:
+        """While idle with prompt lookup of its own (IdleAdvice.lookup): what the last
+        step measured and accepted goes into the IdleLookup, and each decoding row gets
+        its lookup draft of `cap` tokens (None: the row may send nothing: still
+        prefilling, or a seeded request, whose drafts must not depend on timing).
+        ~0.03 ms a row at 2k tokens. None: no lookup this idle."""
+        look = self._idle_lookup
+        if look is None or self.idle_above is None or cap <= 0:
+            return None
+        if step is not None:
+            look.observe_step(step[0], step[1], step[3])
+        made: list[FastDraft | None] = []
+        for row, (rid, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
+            look.observe_outcome(rid, sampled)
+            if not sampled or sampling_of(rid).seeded:
+                made.append(None)
+            else:
+                made.append(ngram_match(token_ids_cpu[row, :int(num_tokens[row])].tolist(), cap))
+        return made
+
+    def _lookup_probs(self, req_ids, drafts, sampling_of) -> torch.Tensor | None:
+        """The q of a round of the idle's lookup drafts: None where every row is greedy
+        (verified by argmax), else one-hot on each row's drafted tokens, as for the
+        draft's greedy rows (_draft_probs): a lookup draft is drawn from no distribution
+        but itself, so a sampled row's tokens are accepted with the target's p."""
+        if all(sampling_of(rid).greedy for rid, d in zip(req_ids, drafts) if d):
+            return None
+        probs = torch.zeros(len(req_ids), self.cfg.num_speculative_tokens, self.vocab_size)
+        for row, tokens in enumerate(drafts):
+            if tokens:
+                probs[row, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return probs
+
+    def _watch_lookup(self, sampled_token_ids, num_tokens, token_ids_cpu,
+                      looked_up: list[FastDraft | None] | None = None) -> bool:
         """While idle with a wake share (IdleAdvice.wake_share): the latest position of
         up to LOOKUP_ROWS decoding rows a step (in turn) goes into the LookupWatch (each
-        ~0.03 ms at 2k tokens); whether it now shows the share."""
+        ~0.03 ms at 2k tokens; the match of this round's lookup draft where one was
+        made, _look_up); whether it now shows the share."""
         if (self.idle_above is None or self._wake_share is None or self._lookup is None
                 or time.monotonic() - self._lookup_woke < LOOKUP_REWAKE_S):
             return False
         rows = [row for row, sampled in enumerate(sampled_token_ids) if sampled]
         turn = self._lookup.seen
         for row in (rows[(turn + i) % len(rows)] for i in range(min(LOOKUP_ROWS, len(rows)))):
-            self._lookup.observe(token_ids_cpu[row, :int(num_tokens[row])].tolist())
+            made = None if looked_up is None else looked_up[row]
+            if made is not None:
+                self._lookup.observe_match(made.n)
+            else:
+                self._lookup.observe(token_ids_cpu[row, :int(num_tokens[row])].tolist())
         return self._lookup.shows(self._wake_share)
 
     def _idle(self, req_ids: list[str], decoding: int, finished: set[str],
@@ -462,6 +523,7 @@ class SaguaroProposer:
         if woken:
             self._lookup_woke = time.monotonic()
         self._probe_rounds = self._idle_ids = self._wake_share = self._lookup = None
+        self._idle_lookup = None
         self.idle_above = None  # the draft resynchronises every sequence (mirror mismatch)
         if self.lending is not None:
             self.lending.give_back()  # before the draft runs again on its cores

@@ -1,0 +1,95 @@
+"""Prompt lookup while the draft idles (core/idle_lookup.py): the lengths by the
+controller's objective, the entry margin, and what the rounds teach it."""
+import pytest
+
+from vllm_saguaro.core.controller import StepCost, expected_tokens
+from vllm_saguaro.core.idle_lookup import (LOOKUP_ENTRY_MARGIN, IdleLookup, IdleLookupAdvice,
+                                           idle_lookup_rate, lookup_lengths)
+
+RATES = (0.02, 0.15, 0.35, 0.8)  # by match length 0..3
+
+
+def line(fixed: float, per_token: float):
+    return lambda w: fixed + per_token * w
+
+
+def test_long_matches_send_and_rows_without_one_do_not():
+    """A batch of 4 on a CPU-like line (36 ms + 1 ms a token): the rows continuing a
+    3-token match send every token they have, the rest nothing; rows that may not send
+    (None: prefilling, seeded) never do."""
+    cost = line(0.036, 0.001)
+    assert lookup_lengths([3, 0, 3, None], RATES, 3, cost, cost) == [3, 0, 3, 0]
+    assert lookup_lengths([3, 3], RATES, 2, cost, cost) == [2, 2]          # the cap
+    assert lookup_lengths([None, None], RATES, 3, cost, cost) == [0, 0]
+    assert lookup_lengths([0, 1, 0, 0], RATES, 3, cost, cost) == [0, 0, 0, 0]
+    assert lookup_lengths([3], RATES, 0, cost, cost) == [0]
+
+
+def test_nothing_is_sent_where_verifying_costs_more_than_it_gives():
+    """A dear verification (a step per token sent: a wide, compute-bound batch), or a
+    verification step dearer than a plain one by more than the draft gives: plain."""
+    plain = line(0.036, 0.001)
+    assert lookup_lengths([3] * 4, RATES, 3, plain, line(0.036, 0.036)) == [0] * 4
+    assert lookup_lengths([3] * 4, RATES, 3, plain, line(0.150, 0.001)) == [0] * 4
+    assert sum(lookup_lengths([3] * 4, RATES, 3, plain, line(0.040, 0.001))) > 0
+
+
+def test_the_entry_margin_holds_off_a_gain_smaller_than_it():
+    """One row of 4 continuing a match whose tokens are accepted at 0.3: a plan about
+    1-3% ahead of plain decoding sends nothing with the margin, and does without."""
+    plain = line(0.036, 0.001)
+    rates = (0.0, 0.0, 0.0, 0.3)
+    tokens = 4 + expected_tokens((0.3,))
+    gain = tokens / plain(5) / (4 / plain(4)) - 1.0
+    assert 0 < gain < LOOKUP_ENTRY_MARGIN
+    assert lookup_lengths([3, 0, 0, 0], rates, 3, plain, plain) == [0] * 4
+    assert sum(lookup_lengths([3, 0, 0, 0], rates, 3, plain, plain, margin=0.0)) > 0
+
+
+def test_idle_lookup_rate_is_plain_decoding_without_matches_and_grows_with_them():
+    plain = verify = line(0.036, 0.001)
+    base = 4 / plain(4)
+    assert idle_lookup_rate(4, 0.0, 0.8, 3, plain, verify) == pytest.approx(base)
+    low, high = (idle_lookup_rate(4, s, 0.8, 3, plain, verify) for s in (0.25, 0.75))
+    assert base < low < high
+    # the best length: one token where each is as likely rejected as not and dear
+    dear = line(0.036, 0.01)
+    one = (4 + 4 * 0.5) / dear(8)
+    assert idle_lookup_rate(4, 1.0, 0.5, 3, plain, dear) == pytest.approx(max(base, one))
+
+
+def test_an_idle_lookup_learns_its_rates_and_lines_from_its_rounds():
+    """Start from the worker's advice (a verification's line: plain decoding's);
+    rejected drafts bring a match length's rate down
+    until it sends nothing (and then learns no more of it); a verification measured dear
+    stops it as well."""
+    advice = IdleLookupAdvice(RATES, (0.036, 0.001))
+    look = IdleLookup(advice)
+    assert look.verify.predict(7) == pytest.approx(look.plain.predict(7))
+    rids = ["a", "b"]
+    assert look.lengths(rids, [3, 0], 3) == [3, 0]
+    assert look.sent == {"a": (3, 3)}
+    for _ in range(300):  # every draft rejected at its first token
+        look.observe_outcome("a", [9])
+        look.lengths(rids, [3, 0], 3)
+    stopped = look.fits[3].rate
+    assert stopped < RATES[3] / 2 and look.lengths(rids, [3, 0], 3) == [0, 0]
+    assert look.sent == {}
+    look.observe_outcome("a", [1, 2, 3, 4])  # nothing sent last: nothing learnt
+    assert look.fits[3].rate == stopped
+
+    look = IdleLookup(advice)
+    for _ in range(60):  # each verification as dear as two plain steps
+        look.observe_step(2, 0.036, False)
+        look.observe_step(5, 0.075, True)
+    assert look.lengths(rids, [3, 0], 3) == [0, 0]
+
+
+def test_step_cost_line_is_the_line_it_predicts():
+    cost = StepCost()
+    for w in (1, 4, 8, 16):
+        cost.observe(w, 0.03 + 0.002 * w)
+    fixed, slope = cost.line()
+    assert fixed == pytest.approx(0.03) and slope == pytest.approx(0.002)
+    again = StepCost(fixed, slope)
+    assert again.predict(12) == pytest.approx(cost.predict(12))

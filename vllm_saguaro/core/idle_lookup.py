@@ -1,0 +1,129 @@
+"""Prompt lookup while the draft idles: drafts the proposer makes itself, with no call to
+the draft.
+
+Where speculation with the draft does not pay (its round trip, its catch-up of a batch
+it left while idle, the verification's width), the draft idles and the target decodes
+plainly (on CPU on every core, vllm_glue/lending.py). Text that repeats itself (code,
+edits, quoted input) still offers drafts at no cost: the continuation of the most recent
+earlier occurrence of its last tokens (core/fallback.py ngram_match). Made where the
+tokens already are, in the target's process, such a draft costs only its verification's
+extra width. Measured at batch 4 on HumanEval (T = 0, the reference pair, a 2-core EPYC;
+README, issue 19's eighteenth round): the draft's rounds of lookup drafts gave 5.24
+tokens in 52.1 ms, of which the verification took 38.6-38.9 ms and about 13 ms was the
+round trip to the draft and its step; plain decoding ran 102-116 tok/s.
+
+Each step the controller's objective picks the lengths (core/controller.py
+choose_lengths: a lookup draft's tokens are free, each accepted at its match length's
+rate); a round sends anything only where the plan beats plain decoding by
+LOOKUP_ENTRY_MARGIN (models run a few % high where the choice is close). The rates and
+plain decoding's line start from the draft worker's (IdleLookupAdvice), and so does the
+verification's: the same forward at that width on the same cores. Not SD on the lent
+cores' verification line, measured after the draft's turn on the target's cores: at
+batch 4 on HumanEval (T = 0) it put a verification 10-20 ms above a plain step of its
+width, and the lookup drafts never went out (a pessimistic line is never corrected, as
+nothing is sent to measure it). All three follow what these rounds measure. Lossless as
+any draft is: the target verifies, and a sampled request's lookup draft is verified
+with a one-hot q (the proposer's).
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from vllm_saguaro.core.controller import Candidate, StepCost, choose_lengths, expected_tokens
+from vllm_saguaro.core.fanout import AcceptanceFit
+
+# What a round of lookup drafts must be expected to gain over plain decoding, as a share,
+# to send anything.
+LOOKUP_ENTRY_MARGIN = 0.05
+
+
+class IdleLookupAdvice(NamedTuple):
+    """What the draft worker hands the proposer with an idle (draft/regime.py IdleAdvice):
+    the acceptance of a lookup draft's tokens by match length (core/fallback.py
+    MatchAcceptance), and the line (fixed_s, per_token_s) of plain decoding's step by
+    width on the cores the target has while the draft idles."""
+
+    rates: tuple[float, ...]
+    plain: tuple[float, float]
+    forced: bool = False  # testing switch (controller.force_idle_lookup): every row sends
+
+
+def step_s(plain_s: Callable[[int], float], verify_s: Callable[[int], float],
+           batch: int) -> Callable[[int], float]:
+    """A step's time by width: plain decoding's where nothing is sent (width = batch), a
+    verification's above (draft/lengths.py _verify_s weighs a lent_sd step the same way)."""
+    return lambda w: plain_s(w) if w <= batch else verify_s(w)
+
+
+def lookup_lengths(matches: list[int | None], rates, cap: int,
+                   plain_s: Callable[[int], float], verify_s: Callable[[int], float],
+                   margin: float = LOOKUP_ENTRY_MARGIN) -> list[int]:
+    """Tokens each row sends, 0..cap: matches[i] is the match length of row i's lookup
+    draft (None: the row may send nothing: it is not decoding, or a seeded request, whose
+    drafts must not depend on timing). All 0 unless the plan's expected rate beats plain
+    decoding's by `margin`."""
+    batch = len(matches)
+    if not batch or cap <= 0:
+        return [0] * batch
+    cands = [Candidate() if n is None else Candidate(free=(rates[n],) * cap, cap=cap)
+             for n in matches]
+    plan = choose_lengths(cands, step_s(plain_s, verify_s, batch), lambda rows: 0.0)
+    plain = batch / max(plain_s(batch), 1e-9)
+    if not sum(plan.lengths) or plan.rate <= (1.0 + margin) * plain:
+        return [0] * batch
+    return plan.lengths
+
+
+def idle_lookup_rate(batch: int, share: float, rate: float, k: int,
+                     plain_s: Callable[[int], float], verify_s: Callable[[int], float]) -> float:
+    """Expected tokens per second of prompt lookup while idle, when `share` of the rows
+    continue a match whose tokens are each accepted at `rate` and the rest match nothing
+    (they send nothing): the best length 0..k for the matched rows (0: plain decoding)."""
+    rows = share * batch
+    best = batch / max(plain_s(batch), 1e-9)
+    for n in range(1, k + 1):
+        width = batch + rows * n
+        if width <= batch:
+            break
+        best = max(best, (batch + rows * expected_tokens((rate,) * n)) / max(verify_s(width), 1e-9))
+    return best
+
+
+class IdleLookup:
+    """The proposer's prompt lookup through one idle (vllm_glue/proposer.py): the rates by
+    match length and the two lines, from the advice, then from its own rounds; the rows
+    that sent drafts last round, to learn from what was accepted."""
+
+    def __init__(self, advice: IdleLookupAdvice, margin: float = LOOKUP_ENTRY_MARGIN):
+        self.fits = [AcceptanceFit(r) for r in advice.rates]
+        self.plain = StepCost(*advice.plain)
+        self.verify = StepCost(*advice.plain)  # until measured: a step of that width
+        self.margin = margin
+        self.forced = advice.forced
+        self.sent: dict[str, tuple[int, int]] = {}  # request -> (match length, tokens sent)
+
+    def observe_step(self, width: int, seconds: float, drafted: bool) -> None:
+        """The target's last step, as the proposer measured it (a clean decode step)."""
+        (self.verify if drafted else self.plain).observe(width, seconds)
+
+    def observe_outcome(self, rid: str, sampled: list[int]) -> None:
+        """What the target accepted of the request's last lookup draft: its tokens this
+        step are the accepted ones and one more."""
+        n_sent = self.sent.pop(rid, None)
+        if n_sent is not None and sampled:
+            n, sent = n_sent
+            self.fits[n].observe(min(len(sampled) - 1, sent), sent)
+
+    def lengths(self, rids: list[str], matches: list[int | None], cap: int) -> list[int]:
+        """This step's lengths (lookup_lengths), remembered per request for its outcome."""
+        self.sent.clear()
+        if self.forced:
+            out = [0 if n is None else cap for n in matches]
+        else:
+            rates = [f.rate for f in self.fits]
+            out = lookup_lengths(matches, rates, cap, self.plain.predict, self.verify.predict,
+                                 self.margin)
+        for rid, n, length in zip(rids, matches, out):
+            if length:
+                self.sent[rid] = (n, length)
+        return out
