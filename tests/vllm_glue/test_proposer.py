@@ -448,6 +448,7 @@ def test_an_idle_sends_its_own_lookup_drafts_where_they_pay():
     assert p._width == 3 + 6 and p._drafted
     assert p.metrics.idle_rounds == 1 and p.metrics.idle_lookup_rounds == 1
     assert p.metrics.sent[3] == 2 and p.metrics.sent[0] == 1 and p.metrics.plain_rounds == 0
+    assert "draft idle in 100% (prompt lookup drafts in 100%)" in p.metrics.lengths_summary()
 
     specs = {"a": SamplingSpec(1.0), "b": SamplingSpec(), "c": SamplingSpec(1.0, seed=7)}
     p._last_done = time.perf_counter() - 0.04

@@ -46,8 +46,9 @@ def _counters() -> dict:
             "sent": c("speculation_length", "Sequence-rounds by the number of draft tokens "
                       "the controller sent (0 = plain decoding for that sequence)", ["length"]),
             "plain": c("plain_rounds", "Rounds in which no sequence sent draft tokens"),
-            "idle": c("idle_rounds", "Plain rounds in which the draft was not called at all "
-                      "(speculation cannot pay at that batch size)"),
+            "idle": c("idle_rounds", "Rounds in which the draft was not called at all "
+                      "(speculation with it cannot pay at that batch size): plain, or with "
+                      "the proposer's own lookup drafts (idle_lookup_rounds)"),
             "idle_lookup": c("idle_lookup_rounds", "Rounds in which the draft was not "
                              "called and the proposer sent prompt lookup drafts of its own "
                              "(controller.idle_lookup)"),
@@ -95,7 +96,8 @@ class SaguaroMetrics:
     target_rounds: int = 0
     target_s: float = 0.0
     # The controller: sequence-rounds by tokens sent (index = length), rounds in which
-    # nothing was sent, and those of them in which the draft was left idle.
+    # nothing was sent, those in which the draft was left idle (plain decoding, or the
+    # proposer's own lookup drafts: idle_lookup_rounds).
     sent: list[int] = field(default_factory=list)
     plain_rounds: int = 0
     idle_rounds: int = 0
@@ -215,8 +217,8 @@ class SaguaroMetrics:
         shares = "/".join(f"{100 * n / total:.0f}" for n in self.sent)
         rounds = self.rounds + self.idle_rounds + self.down_rounds
         return (f"lengths sent 0..{len(self.sent) - 1}: {shares}%, plain-decoding rounds "
-                f"{100 * self.plain_rounds / max(rounds, 1):.0f}% (draft idle in "
-                f"{100 * self.idle_rounds / max(rounds, 1):.0f}%, its prompt lookup in "
+                f"{100 * self.plain_rounds / max(rounds, 1):.0f}%, draft idle in "
+                f"{100 * self.idle_rounds / max(rounds, 1):.0f}% (prompt lookup drafts in "
                 f"{100 * self.idle_lookup_rounds / max(rounds, 1):.0f}%), SD on the lent cores in "
                 f"{100 * self.lent_sd_rounds / max(rounds, 1):.0f}%")
 
