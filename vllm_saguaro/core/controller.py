@@ -130,6 +130,15 @@ def choose_lengths(cands: list[Candidate], target_s: Callable[[int], float],
     return best  # type: ignore[return-value]
 
 
+def plain_then_verify(plain_s: Callable[[int], float], verify_s: Callable[[int], float],
+                      batch: int) -> Callable[[int], float]:
+    """A step's time by width for a plan whose zero-length step is plain decoding on other
+    lines than its verifications: plain_s where nothing is sent (width <= batch),
+    verify_s above (SD on the lent cores' plan, draft/lengths.py; the idle's lookup
+    drafts, core/idle_lookup.py)."""
+    return lambda w: plain_s(w) if w <= batch else verify_s(w)
+
+
 def draft_more_pays(now: list[Candidate], more: list[Candidate],
                     target_s: Callable[[int], float], step_s: float, spent_s: float) -> bool:
     """Whether the fallback should draft one more step: the batch's best plan with the

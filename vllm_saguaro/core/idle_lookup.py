@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-from vllm_saguaro.core.controller import Candidate, StepCost, choose_lengths, expected_tokens
+from vllm_saguaro.core.controller import (Candidate, StepCost, choose_lengths, expected_tokens,
+                                          plain_then_verify)
 from vllm_saguaro.core.fanout import AcceptanceFit
 
 # What a round of lookup drafts must be expected to gain over plain decoding, as a share,
@@ -48,13 +49,6 @@ class IdleLookupAdvice(NamedTuple):
     forced: bool = False  # testing switch (controller.force_idle_lookup): every row sends
 
 
-def step_s(plain_s: Callable[[int], float], verify_s: Callable[[int], float],
-           batch: int) -> Callable[[int], float]:
-    """A step's time by width: plain decoding's where nothing is sent (width = batch), a
-    verification's above (draft/lengths.py _verify_s weighs a lent_sd step the same way)."""
-    return lambda w: plain_s(w) if w <= batch else verify_s(w)
-
-
 def lookup_lengths(matches: list[int | None], rates, cap: int,
                    plain_s: Callable[[int], float], verify_s: Callable[[int], float],
                    margin: float = LOOKUP_ENTRY_MARGIN) -> list[int]:
@@ -67,7 +61,7 @@ def lookup_lengths(matches: list[int | None], rates, cap: int,
         return [0] * batch
     cands = [Candidate() if n is None else Candidate(free=(rates[n],) * cap, cap=cap)
              for n in matches]
-    plan = choose_lengths(cands, step_s(plain_s, verify_s, batch), lambda rows: 0.0)
+    plan = choose_lengths(cands, plain_then_verify(plain_s, verify_s, batch), lambda rows: 0.0)
     plain = batch / max(plain_s(batch), 1e-9)
     if not sum(plan.lengths) or plan.rate <= (1.0 + margin) * plain:
         return [0] * batch

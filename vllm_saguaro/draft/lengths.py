@@ -11,7 +11,8 @@ import time
 from typing import Callable
 
 from vllm_saguaro.core.cache import Speculation
-from vllm_saguaro.core.controller import Candidate, StepCost, choose_lengths, draft_more_pays
+from vllm_saguaro.core.controller import (Candidate, StepCost, choose_lengths, draft_more_pays,
+                                          plain_then_verify)
 from vllm_saguaro.core.fallback import FastDraft, ngram_match
 from vllm_saguaro.draft.state import SeqState
 
@@ -92,8 +93,7 @@ class LengthPlanning:
         line = self._verify_cost().predict
         if not self._lent_sd or not self.lent_cost.known:
             return line
-        plain = self.lent_cost.predict
-        return lambda w: plain(w) if w <= batch else line(w)
+        return plain_then_verify(self.lent_cost.predict, line, batch)
 
     def _plan(self, cands: list[Candidate]):
         """The controller's plan; until the target's step time is known (the first rounds)
