@@ -36,6 +36,68 @@ def test_optimal_against_brute_force_for_free_tokens(seed):
     assert plan.rate == pytest.approx(rate_of(cands, plan.lengths, target), rel=1e-9)
 
 
+def _plan_rebuilt_for_every_m(cands, target_s, draft_step_s):
+    """choose_lengths as first written: the whole plan rebuilt for each number of tokens
+    (O(n^2 K)); the running totals that replaced it must choose the same plans."""
+    steps = [0] + sorted({d for c in cands if c.neural
+                          for d in range(1, min(c.cap, len(c.neural)) + 1)})
+    need = max((min(c.cap, len(c.neural)) for c in cands
+                if c.fixed and c.neural and len(c.free) < c.cap), default=0)
+    best = None
+    for d in (d for d in steps if d >= need):
+        alphas, neural = [], []
+        for c in cands:
+            free, whole = c.free[:c.cap], min(c.cap, len(c.neural))
+            use = d > 0 and bool(c.neural) and (not c.fixed or d >= whole) and (
+                expected_tokens(c.neural[:min(d, c.cap)]) > expected_tokens(free)
+                or (c.fixed and len(free) < c.cap))
+            alphas.append(tuple(c.neural[:min(d, c.cap)]) if use else free)
+            neural.append(use)
+        ls = [len(a) if c.fixed else 0 for a, c in zip(alphas, cands)]
+        tokens = len(cands) + sum(expected_tokens(a) for a, c in zip(alphas, cands) if c.fixed)
+        items = sorted(((p, i) for i, (a, c) in enumerate(zip(alphas, cands)) if not c.fixed
+                        for p in itertools.accumulate(a, lambda x, y: x * y)),
+                       key=lambda x: -x[0])
+
+        def plan_for(ls, tokens):
+            used = [u and L > 0 for u, L in zip(neural, ls)]
+            steps_needed = max((L for u, L in zip(used, ls) if u), default=0)
+            draft = steps_needed * draft_step_s(sum(used)) if steps_needed else 0.0
+            return (list(ls), used, steps_needed, tokens,
+                    target_s(len(cands) + sum(ls)) + draft)
+
+        plan = plan_for(ls, tokens)
+        for p, i in items:
+            ls[i] += 1
+            tokens += p
+            trial = plan_for(ls, tokens)
+            if trial[3] / trial[4] > plan[3] / plan[4] + 1e-12:
+                plan = trial
+        if best is None or plan[3] / plan[4] > best[3] / best[4] + 1e-12:
+            best = plan
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_running_totals_choose_the_plans_of_the_rebuilt_search(seed):
+    rng = random.Random(seed)
+    k = rng.randint(1, 5)
+
+    def cand():
+        free = tuple(rng.uniform(0.05, 0.98) for _ in range(rng.randint(0, k)))
+        neural = tuple(rng.uniform(0.05, 0.98) for _ in range(rng.choice([0, k])))
+        return Candidate(free, neural, rng.randint(0, k), rng.random() < 0.15)
+
+    for _ in range(20):
+        cands = [cand() for _ in range(rng.randint(1, 24))]
+        target = linear(rng.uniform(0.02, 0.1), rng.uniform(0.0, 0.01))
+        step = rng.choice([0.0, 0.0005, 0.003, 0.02])
+        plan = choose_lengths(cands, target, lambda rows: step * (1 + 0.1 * rows))
+        ref = _plan_rebuilt_for_every_m(cands, target, lambda rows: step * (1 + 0.1 * rows))
+        assert (plan.lengths, plan.neural, plan.draft_steps) == tuple(ref[:3])
+        assert (plan.tokens, plan.seconds) == (ref[3], ref[4])
+
+
 def test_nothing_pays_is_plain_decoding():
     cands = [Candidate(free=(0.3, 0.2, 0.1), cap=3)] * 8
     plan = choose_lengths(cands, linear(0.05, 0.05), lambda rows: 0.0)  # a token = a step
