@@ -13,3 +13,12 @@ def test_lookup_drafts_are_counted_by_their_match_length():
                     3: {"positions": 2, "accepted": 3, "whole": 1}}
     rows = by_match_length([([1, 2, 3, 4, 5], 2)], k=1)
     assert rows == {0: {"positions": 3, "accepted": 0, "whole": 0}}
+
+
+def test_the_per_token_rate_is_what_a_fit_learns():
+    """accepted / (accepted + rejections): a draft accepted whole ends in no rejection."""
+    from benchmarks.lookup_acceptance import per_token_rate
+
+    assert per_token_rate({"positions": 4, "accepted": 6, "whole": 2}) == 6 / 8
+    assert per_token_rate({"positions": 3, "accepted": 0, "whole": 0}) == 0.0
+    assert per_token_rate({"positions": 0, "accepted": 0, "whole": 0}) == 0.0

@@ -168,6 +168,18 @@ def test_batch_limit_falls_with_token_cost():
     assert limit(0.003, plain_gain=1.4) < limit(0.003)  # plain on lent cores: a higher bar
 
 
+def test_a_realized_rate_needs_as_many_rows_at_any_batch_size():
+    """min_rows: a round of b rows sums b rows' tokens, so 48 rows are 48 rounds at batch
+    1, 12 at batch 4, and never fewer than min_rounds."""
+    r = RealizedRate(min_rounds=8, alpha=0.02, min_rows=48)
+    assert [r.rounds_needed(b) for b in (1, 2, 4, 5, 16)] == [48, 24, 12, 10, 8]
+    for batch in (1, 4, 16):
+        for i in range(r.rounds_needed(batch)):
+            assert r.rate(batch, 0.0) is None
+            r.observe(batch, 2 * batch, 0.1, 0.0)
+        assert r.rate(batch, 0.0) == pytest.approx(20 * batch)
+
+
 def test_step_cost_learns_a_line():
     rng = random.Random(0)
     cost = StepCost()

@@ -23,7 +23,7 @@ def test_ngram_match_says_how_long_a_match_its_draft_continues():
 
 def test_match_acceptance_by_match_length():
     """One fit per match length, from its own drafts; the shares count the drafts made."""
-    m = MatchAcceptance(priors=(0.1, 0.3), decay=1.0)
+    m = MatchAcceptance(priors=(0.1, 0.3), sampled_priors=(0.1, 0.3), decay=1.0)
     assert m.shares() == [1.0, 0.0] and m.overall == pytest.approx(m.rate(0))
     for _ in range(40):
         m.note(1)
@@ -61,6 +61,23 @@ def test_ngram_match_agrees_with_the_plain_search():
         k, max_n = rng.randrange(1, 5), rng.randrange(1, 5)
         got = ngram_match(tokens, k, max_n)
         assert (got.tokens, got.n) == _reference_ngram_draft(tokens, k, max_n), (tokens, k, max_n)
+
+
+def test_greedy_and_sampled_requests_have_fits_of_their_own():
+    """A sampled request accepts a lookup token with the target's probability of it: its
+    fits start from their own priors and learn from its outcomes alone; the batch's rate
+    is the mix of its rows' (sampled_share)."""
+    m = MatchAcceptance(priors=(0.1, 0.5), sampled_priors=(0.05, 0.2), decay=1.0)
+    assert m.rates(greedy=True) == (0.1, 0.5) and m.rates(greedy=False) == (0.05, 0.2)
+    assert m.rates() == m.rates(greedy=True)  # no sampled row yet
+    for _ in range(40):
+        m.observe(1, 3, 3)                  # greedy: accepted whole
+        m.observe(1, 0, 1, greedy=False)    # sampled: rejected at once
+    assert m.rate(1, greedy=True) > 0.9 and m.rate(1, greedy=False) < 0.1
+    m.sampled_share = 0.25
+    assert m.rate(1) == pytest.approx(0.75 * m.rate(1, True) + 0.25 * m.rate(1, False))
+    with pytest.raises(ValueError, match="one prior per match length"):
+        MatchAcceptance(priors=(0.1, 0.5), sampled_priors=(0.1,))
 
 
 def test_the_text_now_replaces_the_match_lengths_that_came_up():

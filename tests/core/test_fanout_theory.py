@@ -1,7 +1,7 @@
 import pytest
 
-from vllm_saguaro.core.fanout import (AcceptanceFit, BudgetControl, fanout_for, geometric_fanout,
-                                      uniform_fanout)
+from vllm_saguaro.core.fanout import (AcceptanceFit, BudgetControl, SplitAcceptanceFit,
+                                      fanout_for, geometric_fanout, uniform_fanout)
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.theory import (expected_tokens_per_round, fallback_crossover, sd_speedup,
                                       ssd_speedup)
@@ -89,6 +89,19 @@ def test_acceptance_fit_starts_at_the_prior_and_forgets():
     for _ in range(200):
         fit.observe(0, 4)          # ... then nothing: the old rounds fade
     assert fit.rate < 0.1
+
+
+def test_split_acceptance_fit_keeps_greedy_and_sampled_apart():
+    """Each kind of request learns its own a_p; the batch's is the mix of its rows'."""
+    fit = SplitAcceptanceFit(0.5, prior_weight=1.0, decay=1.0)
+    assert fit.rate == fit.rate_of(True) == fit.rate_of(False) == pytest.approx(0.5)
+    for _ in range(100):
+        fit.observe(3, 3)                 # greedy (the default): accepted whole
+        fit.observe(0, 3, greedy=False)   # sampled: rejected at once
+    assert fit.rate_of(True) > 0.95 and fit.rate_of(False) < 0.05
+    assert fit.rate == pytest.approx(fit.rate_of(True))  # an all-greedy batch
+    fit.sampled_share = 0.5
+    assert fit.rate == pytest.approx((fit.rate_of(True) + fit.rate_of(False)) / 2)
 
 
 def test_budget_control_shrinks_on_overrun_and_grows_back():

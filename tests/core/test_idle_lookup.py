@@ -7,6 +7,12 @@ from vllm_saguaro.core.idle_lookup import (LOOKUP_ENTRY_MARGIN, IdleLookup, Idle
                                            idle_lookup_rate, lookup_lengths)
 
 RATES = (0.02, 0.15, 0.35, 0.8)  # by match length 0..3
+SAMPLED = (0.01, 0.02, 0.03, 0.04)  # a sampled request's
+
+
+def rates_of(matches, rates=RATES):
+    """Each row's token acceptance by its match length (None: may send nothing)."""
+    return [None if n is None else rates[n] for n in matches]
 
 
 def line(fixed: float, per_token: float):
@@ -18,20 +24,20 @@ def test_long_matches_send_and_rows_without_one_do_not():
     3-token match send every token they have, the rest nothing; rows that may not send
     (None: prefilling, seeded) never do."""
     cost = line(0.036, 0.001)
-    assert lookup_lengths([3, 0, 3, None], RATES, 3, cost, cost) == [3, 0, 3, 0]
-    assert lookup_lengths([3, 3], RATES, 2, cost, cost) == [2, 2]          # the cap
-    assert lookup_lengths([None, None], RATES, 3, cost, cost) == [0, 0]
-    assert lookup_lengths([0, 1, 0, 0], RATES, 3, cost, cost) == [0, 0, 0, 0]
-    assert lookup_lengths([3], RATES, 0, cost, cost) == [0]
+    assert lookup_lengths(rates_of([3, 0, 3, None], RATES), 3, cost, cost) == [3, 0, 3, 0]
+    assert lookup_lengths(rates_of([3, 3], RATES), 2, cost, cost) == [2, 2]          # the cap
+    assert lookup_lengths(rates_of([None, None], RATES), 3, cost, cost) == [0, 0]
+    assert lookup_lengths(rates_of([0, 1, 0, 0], RATES), 3, cost, cost) == [0, 0, 0, 0]
+    assert lookup_lengths(rates_of([3], RATES), 0, cost, cost) == [0]
 
 
 def test_nothing_is_sent_where_verifying_costs_more_than_it_gives():
     """A dear verification (a step per token sent: a wide, compute-bound batch), or a
     verification step dearer than a plain one by more than the draft gives: plain."""
     plain = line(0.036, 0.001)
-    assert lookup_lengths([3] * 4, RATES, 3, plain, line(0.036, 0.036)) == [0] * 4
-    assert lookup_lengths([3] * 4, RATES, 3, plain, line(0.150, 0.001)) == [0] * 4
-    assert sum(lookup_lengths([3] * 4, RATES, 3, plain, line(0.040, 0.001))) > 0
+    assert lookup_lengths(rates_of([3] * 4, RATES), 3, plain, line(0.036, 0.036)) == [0] * 4
+    assert lookup_lengths(rates_of([3] * 4, RATES), 3, plain, line(0.150, 0.001)) == [0] * 4
+    assert sum(lookup_lengths(rates_of([3] * 4, RATES), 3, plain, line(0.040, 0.001))) > 0
 
 
 def test_the_entry_margin_holds_off_a_gain_smaller_than_it():
@@ -42,8 +48,8 @@ def test_the_entry_margin_holds_off_a_gain_smaller_than_it():
     tokens = 4 + expected_tokens((0.3,))
     gain = tokens / plain(5) / (4 / plain(4)) - 1.0
     assert 0 < gain < LOOKUP_ENTRY_MARGIN
-    assert lookup_lengths([3, 0, 0, 0], rates, 3, plain, plain) == [0] * 4
-    assert sum(lookup_lengths([3, 0, 0, 0], rates, 3, plain, plain, margin=0.0)) > 0
+    assert lookup_lengths(rates_of([3, 0, 0, 0], rates), 3, plain, plain) == [0] * 4
+    assert sum(lookup_lengths(rates_of([3, 0, 0, 0], rates), 3, plain, plain, margin=0.0)) > 0
 
 
 def test_idle_lookup_rate_is_plain_decoding_without_matches_and_grows_with_them():
@@ -63,26 +69,45 @@ def test_an_idle_lookup_learns_its_rates_and_lines_from_its_rounds():
     rejected drafts bring a match length's rate down
     until it sends nothing (and then learns no more of it); a verification measured dear
     stops it as well."""
-    advice = IdleLookupAdvice(RATES, (0.036, 0.001))
+    advice = IdleLookupAdvice(RATES, RATES, (0.036, 0.001))
     look = IdleLookup(advice)
     assert look.verify.predict(7) == pytest.approx(look.plain.predict(7))
-    rids = ["a", "b"]
-    assert look.lengths(rids, [3, 0], 3) == [3, 0]
-    assert look.sent == {"a": (3, 3)}
+    rids, greedy = ["a", "b"], [True, True]
+    assert look.lengths(rids, [3, 0], greedy, 3) == [3, 0]
+    assert look.sent == {"a": (True, 3, 3)}
     for _ in range(300):  # every draft rejected at its first token
         look.observe_outcome("a", [9])
-        look.lengths(rids, [3, 0], 3)
-    stopped = look.fits[3].rate
-    assert stopped < RATES[3] / 2 and look.lengths(rids, [3, 0], 3) == [0, 0]
+        look.lengths(rids, [3, 0], greedy, 3)
+    stopped = look.fits[True][3].rate
+    assert stopped < RATES[3] / 2 and look.lengths(rids, [3, 0], greedy, 3) == [0, 0]
     assert look.sent == {}
     look.observe_outcome("a", [1, 2, 3, 4])  # nothing sent last: nothing learnt
-    assert look.fits[3].rate == stopped
+    assert look.fits[True][3].rate == stopped
+    assert look.fits[False][3].rate == RATES[3]  # a sampled request's: not taught
 
     look = IdleLookup(advice)
     for _ in range(60):  # each verification as dear as two plain steps
         look.observe_step(2, 0.036, False)
         look.observe_step(5, 0.075, True)
-    assert look.lengths(rids, [3, 0], 3) == [0, 0]
+    assert look.lengths(rids, [3, 0], greedy, 3) == [0, 0]
+
+
+def test_greedy_and_sampled_requests_send_by_their_own_rates():
+    """The same 3-token match: a greedy row sends at its rate, a sampled one (accepting
+    a lookup token with the target's probability of it) by its own, lower, rate; each
+    outcome teaches its own kind's fit."""
+    look = IdleLookup(IdleLookupAdvice(RATES, SAMPLED, (0.036, 0.001)))
+    assert look.lengths(["g", "s"], [3, 3], [True, False], 3) == [3, 0]
+    assert look.lengths(["s1", "s2"], [3, 3], [False, False], 3) == [0, 0]
+    look = IdleLookup(IdleLookupAdvice(RATES, RATES, (0.036, 0.001)))
+    assert look.lengths(["g", "s"], [3, 3], [True, False], 3) == [3, 3]
+    for _ in range(100):  # the sampled row's drafts rejected, the greedy one's accepted
+        look.observe_outcome("g", [1, 2, 3, 4])
+        look.observe_outcome("s", [9])
+        look.lengths(["g", "s"], [3, 3], [True, False], 3)
+    assert look.fits[True][3].rate > RATES[3] > 0.2 > look.fits[False][3].rate
+    greedy_row, sampled_row = look.lengths(["g", "s"], [3, 3], [True, False], 3)
+    assert greedy_row == 3 and sampled_row < 3
 
 
 def test_step_cost_line_is_the_line_it_predicts():

@@ -529,11 +529,11 @@ def test_rounds_are_measured_start_to_start_while_speculating(tiny_target):
     for seconds, tokens in ((1.0, [1]), (0.97, [1]), (1.0, [1, 2])):
         w.lent_sd_realized.forget(2)
         w._last_call = (now - seconds, 2, True)
-        for _ in range(w.lent_sd_realized.min_rounds):
+        for _ in range(w.lent_sd_realized.rounds_needed(2)):
             w._observe_round([("a", tokens, None, None), ("b", [3], None, None)], now)
         assert (2 in w.lent_sd_paid) == (len(tokens) == 2)
     w._last_call = (now - 1.05, 2, True)  # then 2 tokens in 1.05 s: below plain decoding
-    for _ in range(4 * w.lent_sd_realized.min_rounds):  # (the average forgets slowly)
+    for _ in range(4 * w.lent_sd_realized.min_rows):  # (the average forgets slowly)
         w._observe_round([("a", [1], None, None), ("b", [3], None, None)], now)
     assert 2 not in w.lent_sd_paid and 2 in w.lent_sd_ever_paid  # (ever: IdleAdvice.new_text)
 
@@ -623,7 +623,7 @@ def test_an_idle_hands_the_proposer_its_lookup_drafts_lines_and_rates(tiny_targe
     controller.idle_lookup off, or for a probe. The wake share then has the proposer's
     own lookup drafts as its bar: a higher share, or none."""
     from vllm_saguaro.core.controller import StepCost
-    from vllm_saguaro.core.fanout import AcceptanceFit
+    from vllm_saguaro.core.fanout import SplitAcceptanceFit
     from vllm_saguaro.draft.regime import LOOKUP_WAKE_SHARES, IdleAdvice
 
     w = lent_worker(tiny_target, regime="auto")
@@ -631,7 +631,8 @@ def test_an_idle_hands_the_proposer_its_lookup_drafts_lines_and_rates(tiny_targe
     for _ in range(60):
         w.fast_acceptance.observe(3, 3, 3)
     lookup = w._idle_lookup_advice()
-    assert lookup.rates == tuple(w.fast_acceptance.rate(n) for n in range(4))
+    assert lookup.rates == tuple(w.fast_acceptance.rate(n, greedy=True) for n in range(4))
+    assert lookup.sampled_rates == tuple(w.fast_acceptance.rate(n, greedy=False) for n in range(4))
     assert lookup.rates[3] > 0.8
     assert lookup.plain == pytest.approx(w.lent_cost.line())
     w.lent_sd_cost = StepCost()
@@ -642,7 +643,7 @@ def test_an_idle_hands_the_proposer_its_lookup_drafts_lines_and_rates(tiny_targe
     assert advice.lookup == w._idle_lookup_advice()
     # where only lookup drafts pay (the neural draft of no use), the draft woken would
     # add nothing to the proposer's own: no share wakes it (as in the wake share's test)
-    w.acceptance = AcceptanceFit(0.05, prior_weight=1e6)
+    w.acceptance = SplitAcceptanceFit(0.05, prior_weight=1e6)
     w.lent_cost, w.lent_sd_cost = StepCost(), StepCost()
     for _ in range(4):
         for width, seconds in [(1, 0.03), (4, 0.06)]:
@@ -756,7 +757,7 @@ def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     """Where SD on the lent cores' model is within CLOSE_SHARE of plain decoding and it
     has paid before, the idle advice asks for a recheck after CLOSE_RECHECK_S, and where
     it ever paid, also on new text; the step after it tries SD on the lent cores for
-    min_rounds steps at that batch size (its old measurement forgotten) even though the
+    rounds_needed steps at that batch size (its old measurement forgotten) even though the
     model is below plain decoding, then decides as before. Far below, the proposer's
     default recheck."""
     from vllm_saguaro.draft.regime import CLOSE_RECHECK_S, CLOSE_SHARE, IdleAdvice
@@ -780,12 +781,12 @@ def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     for explores, advice in [(1, IdleAdvice(0, False, CLOSE_RECHECK_S)),
                              (2, IdleAdvice(0, False, None, True))]:
         w._limit = advice
-        for _ in range(w.lent_sd_realized.min_rounds):
+        for _ in range(w.lent_sd_realized.rounds_needed(1)):
             w.lent_sd_realized.observe(1, 1, 1.0, time.perf_counter())  # what it gave, then
         w._wake(1)
         w._limit = None
         assert w.lent_sd_realized.rounds(1) == 0 and w.stats.lent_sd_explores == explores
-        for _ in range(w.lent_sd_realized.min_rounds):  # the waking step and those after
+        for _ in range(w.lent_sd_realized.rounds_needed(1)):  # the waking step and those after
             assert w._idle_limit(1) is None and w._lent_sd_step(one)
             w._wake(1)
         assert w._idle_limit(1) is not None  # tried: the model decides again
@@ -820,7 +821,7 @@ def test_a_try_that_did_not_pay_backs_off_the_next(tiny_target):
     w._wake(1)
     w._limit, w._explore = None, 0
     now = time.perf_counter()
-    for _ in range(w.lent_sd_realized.min_rounds):
+    for _ in range(w.lent_sd_realized.rounds_needed(1)):
         w.lent_sd_realized.observe(1, 2, 1.0 / plain, now)  # twice plain decoding's rate
     w._last_call = (now - 1.0 / plain, 1, True)
     w._observe_round([("a", [1, 2], None, None)], now)
@@ -887,7 +888,7 @@ def test_speculation_against_plain_decoding_weighs_what_both_regimes_gave(tiny_t
     for _ in range(w.realized.min_rounds):
         w.realized.observe(1, 1, 1.0 / (0.8 * plain), now)  # SSD gave 0.8x plain decoding
     assert w._idle_limit(1) is None  # SD on the lent cores not measured: the models
-    for _ in range(w.lent_sd_realized.min_rounds):
+    for _ in range(w.lent_sd_realized.rounds_needed(1)):
         w.lent_sd_realized.observe(1, 1, 1.0 / (0.95 * plain), now)  # and it 0.95x
     advice = w._idle_limit(1)
     assert advice is not None and advice.limit == 0
@@ -911,6 +912,7 @@ def test_the_fallback_drafts_on_while_its_tokens_are_likely(tiny_target, hf):
     assert len(drafts[0].confidence) == w.K
     assert w._draft_now(["a"], 1, lambda d: False)[0].tokens == hf_greedy(hf, p, 1)
     cands = [Candidate(neural=(0.5,) * w.K, cap=w.K)]
+    w._greedy_rows = [True]  # (step()'s _see_sampling sets it)
     one = [Speculation([7], None, [0.97])]
     for rate, expected in [(0.1, False), (0.97, True)]:
         w.calibration.rate = lambda c, r=rate: r
@@ -1029,14 +1031,14 @@ def test_sending_nothing_in_a_lent_sd_step_costs_a_plain_step(tiny_target, hf):
     with it a token accepted 3 times in 10 did not pay, so the draft was called for a
     plain step. With plain decoding's cost it does (1.3 tokens in 33 ms against 1 in
     30), as the regime's choice (sd_rate against plain decoding) assumed."""
-    from vllm_saguaro.core.fanout import AcceptanceFit
+    from vllm_saguaro.core.fanout import SplitAcceptanceFit
 
     w = lent_worker(tiny_target, regime="lent_sd")
     for _ in range(4):
         w.lent_sd_cost.observe(2, 0.031)
         w.lent_sd_cost.observe(4, 0.045)
     assert w.lent_sd_cost.predict(1) < w.lent_cost.predict(1)
-    w.acceptance = AcceptanceFit(0.3, prior_weight=1e9)
+    w.acceptance = SplitAcceptanceFit(0.3, prior_weight=1e9)
     w.calibration.rate = lambda c: 0.3
     p = [5, 17, 99, 3, 250, 7]
     w.step([("a", None, p, None)], [], ())
@@ -1067,7 +1069,7 @@ def test_the_fast_backup_is_measured_where_it_does_not_draft(tiny_target, hf):
                                                    ([4, 5, 6], 2, [4, 5], 2, 0),
                                                    ([7, 8, 9], 0, [4], 0, 1),
                                                    ([4], 3, [4, 5, 6], 1, 0)]:
-        fit = w.fast_acceptance.fits[n]  # the fit of its match length
+        fit = w.fast_acceptance.fits[True][n]  # the fit of its match length (greedy)
         a0, r0 = fit.accepted, fit.rejected
         st.shadow_fast, st.spec = FastDraft(shadow, n, 3), []
         w._observe_outcome(st, sampled)
@@ -1139,7 +1141,7 @@ def test_ssd_is_explored_where_sd_on_the_lent_cores_is_chosen(tiny_target, hf):
     w = lent_worker(tiny_target, regime="auto")
     w._ssd_explored = {}
     assert not w._ssd_explore_due(1)  # SD on the lent cores is measured first
-    for _ in range(w.lent_sd_realized.min_rounds):  # (well ahead: chosen)
+    for _ in range(w.lent_sd_realized.rounds_needed(1)):  # (well ahead: chosen)
         w.lent_sd_realized.observe(1, 2, 0.01, time.perf_counter())
     p = [5, 17, 99, 3, 250, 7]
     w.step([("a", None, p, None)], [], ())
@@ -1192,7 +1194,7 @@ def test_ssd_and_sd_on_the_lent_cores_both_measured_choose_by_what_they_gave(tin
     w._lent_sd_rate = lambda b, now, measured=True: 50.0  # the models: SD on the lent cores
     assert w._lent_sd_step(update)
     now = time.perf_counter()
-    for _ in range(w.lent_sd_realized.min_rounds):
+    for _ in range(w.lent_sd_realized.rounds_needed(1)):
         w.lent_sd_realized.observe(1, 2, 0.1, now)  # gave 20 tok/s
     assert 19.5 * (1 + LENT_SD_ENTRY_MARGIN) > 20.0 > 19.5  # entering, 20 counts as 19.05
     assert 20.0 * (1 + SSD_ENTRY_MARGIN) < 21.5  # running, SSD must give more than 21
@@ -1279,12 +1281,12 @@ def test_an_idle_names_the_lookup_share_that_would_make_speculation_pay(tiny_tar
     (_see_text); where it moved the share of 3-token matches by TEXT_CHANGE_SHARE, what
     both regimes gave is forgotten (measured on other text)."""
     from vllm_saguaro.core.controller import StepCost
-    from vllm_saguaro.core.fanout import AcceptanceFit
+    from vllm_saguaro.core.fanout import SplitAcceptanceFit
     from vllm_saguaro.draft.regime import LOOKUP_WAKE_MARGIN, LOOKUP_WAKE_SHARES
 
     w = lent_worker(tiny_target, regime="auto")
     w.cfg.fallback = "auto"
-    w.acceptance = AcceptanceFit(0.05, prior_weight=1e6)  # the neural draft: no use
+    w.acceptance = SplitAcceptanceFit(0.05, prior_weight=1e6)  # the neural draft: no use
     w.lent_cost = StepCost()
     for _ in range(4):
         for width, seconds in [(1, 0.03), (4, 0.06)]:
@@ -1313,7 +1315,7 @@ def test_an_idle_names_the_lookup_share_that_would_make_speculation_pay(tiny_tar
     w._see_text([("b", None, list(range(80)), None)])  # prose: no match
     now = time.perf_counter()
     for measured in (w.realized, w.lent_sd_realized):
-        for _ in range(measured.min_rounds):
+        for _ in range(measured.rounds_needed(1)):
             measured.observe(1, 2, 0.05, now)
     w._see_text([("c", None, list(range(100, 180)), None)])  # more of it: kept
     assert w.realized.rate(1, now) and w.lent_sd_realized.rate(1, now)
@@ -1324,3 +1326,46 @@ def test_an_idle_names_the_lookup_share_that_would_make_speculation_pay(tiny_tar
     assert w.fast_acceptance.shares()[3] == 1.0
     w._see_text([("b", None, list(range(80)), None)])
     assert w.fast_acceptance.shares()[0] == 1.0 and w.stats.text_changes == 2
+
+
+def test_greedy_and_sampled_rows_weigh_their_own_rates(tiny_target):
+    """_see_sampling: each row's kind (a sampled request accepts a draft token with the
+    target's probability of it), the batch's sampled share mixing a_p and the lookup
+    rates, what both regimes gave forgotten where that share moved; a miss's candidate
+    at its own kind's rates; an outcome teaches its own kind's fits alone."""
+    from vllm_saguaro.core.fanout import SplitAcceptanceFit
+    from vllm_saguaro.core.sampling import SamplingSpec
+
+    w = lent_worker(tiny_target)
+    w.cfg.fallback = "auto"
+    code = [1, 2, 3, 4] * 5
+    w._sync("g", code, SamplingSpec())
+    w._sync("s", code, SamplingSpec(1.0))
+    w.acceptance = SplitAcceptanceFit(0.6, prior_weight=1e9)
+    w.acceptance.fits[False] = SplitAcceptanceFit(0.2, prior_weight=1e9).fits[False]
+    now = time.perf_counter()
+    for measured in (w.realized, w.lent_sd_realized):
+        for _ in range(measured.rounds_needed(2)):
+            measured.observe(2, 2, 0.05, now)
+    assert w.realized.rate(2, now) and w.lent_sd_realized.rate(2, now)
+    w._see_sampling([("g", [5], None, None), ("s", [5], None, None)])
+    assert w._greedy_rows == [True, False] and w.stats.sampling_changes == 1
+    assert w.acceptance.sampled_share == w.fast_acceptance.sampled_share == 0.5
+    assert w.acceptance.rate == pytest.approx(0.4)
+    assert w.realized.rate(2, now) is None and w.lent_sd_realized.rate(2, now) is None
+    g, s = (w._candidate(i, rid, None, True, False) for i, rid in enumerate("gs"))
+    assert g.neural == (0.6,) * w.K and s.neural == (0.2,) * w.K
+    n = w._fast_draft(w.seqs["g"]).n
+    assert g.free == (w.fast_acceptance.rate(n, True),) * w.K
+    assert s.free == (w.fast_acceptance.rate(n, False),) * w.K != g.free
+    w._see_sampling([("g", [5], None, None), ("s", [5], None, None)])  # the same batch
+    assert w.stats.sampling_changes == 1
+    w._see_sampling([("n", None, code, tuple(SamplingSpec(1.0)))])  # a new sampled one
+    assert w._greedy_rows == [False] and w.stats.sampling_changes == 2
+
+    w.acceptance = SplitAcceptanceFit(0.6)
+    st = w.seqs["s"]
+    st.spec, st.source, st.shadow_fast = [7, 8, 9], "neural", None
+    w._observe_outcome(st, [7, 5])  # one accepted, then rejected
+    assert w.acceptance.fits[False].accepted == 1 and w.acceptance.fits[False].rejected == 1
+    assert w.acceptance.fits[True].accepted == w.acceptance.fits[True].rejected == 0

@@ -440,7 +440,8 @@ def test_an_idle_sends_its_own_lookup_drafts_where_they_pay():
     prose = list(range(100, 120))               # no token repeats
     tokens = torch.tensor([code, prose, code])
     p = idle_proposer(0)
-    p._idle_lookup = IdleLookup(IdleLookupAdvice((0.02, 0.15, 0.35, 0.8), (0.036, 0.001)))
+    rates = (0.02, 0.15, 0.35, 0.8)
+    p._idle_lookup = IdleLookup(IdleLookupAdvice(rates, rates, (0.036, 0.001)))
     greedy = lambda rid: SamplingSpec()  # noqa: E731
     drafts, probs = p.propose_round(["a", "b", "c"], [20, 20, 20], tokens, [[4], [119], [4]],
                                     set(), greedy)
@@ -460,7 +461,9 @@ def test_an_idle_sends_its_own_lookup_drafts_where_they_pay():
     assert probs[0].argmax(-1).tolist() == [1, 2, 3] and probs[0].sum() == 3
     assert probs[1:].sum() == 0
     look = p._idle_lookup
-    assert look.fits[3].accepted > 0 and look.fits[3].rejected == 0  # all 3 accepted
+    # all 3 accepted, taught to the greedy fit ("a" was greedy when it sent them)
+    assert look.fits[True][3].accepted > 0 and look.fits[True][3].rejected == 0
+    assert look.fits[False][3].accepted == 0
     assert look.verify.predict(9) < StepCost(0.036, 0.001).predict(9)  # 40 ms, not 45
     assert p.target_steps == []  # the IdleLookup's alone, not the worker's (SD's line)
 

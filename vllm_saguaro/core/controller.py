@@ -292,8 +292,10 @@ class RealizedRate:
     cores (1.40x), so the draft kept speculating at 0.87x of plain vLLM on two cores. The
     decision takes the model's rate clamped to this one's bounds (clamp: REALIZED_Z
     standard errors either side), where this one is known: after `min_rounds` rounds at
-    that batch size, and for `ttl_s` after the last (then speculation is tried again,
-    since acceptance moves with the text).
+    that batch size and `min_rows` rows (rounds times the batch: a round of b rows sums b
+    rows' tokens, so its rate is known as well after 1/b as many rounds; rounds_needed),
+    and for `ttl_s` after the last (then speculation is tried again, since acceptance
+    moves with the text).
 
     The rate is the average tokens over the average seconds (a ratio estimator), each a
     plain mean over the first 1/alpha rounds and an exponential average after. Measured
@@ -305,8 +307,10 @@ class RealizedRate:
     plain vLLM over the set: hence the upper bound (and, for SD on the lent cores, an
     average over ~100 rounds; DraftWorker.lent_sd_realized)."""
 
-    def __init__(self, min_rounds: int = 8, ttl_s: float = 120.0, alpha: float = 0.2):
+    def __init__(self, min_rounds: int = 8, ttl_s: float = 120.0, alpha: float = 0.2,
+                 min_rows: int = 0):
         self.min_rounds, self.ttl_s, self.alpha = min_rounds, ttl_s, alpha
+        self.min_rows = min_rows
         # batch -> (averages of tokens, seconds, tokens^2, seconds^2, tokens*seconds;
         # rounds, when last)
         self._seen: dict[int, tuple[tuple[float, ...], int, float]] = {}
@@ -325,6 +329,10 @@ class RealizedRate:
     def rounds(self, batch: int) -> int:
         return self._seen.get(batch, ((), 0, 0.0))[1]
 
+    def rounds_needed(self, batch: int) -> int:
+        """Rounds at this batch size before its rate is known."""
+        return max(self.min_rounds, -(-self.min_rows // max(batch, 1)))
+
     def forget(self, batch: int) -> None:
         """Drop what this batch size gave (it is to be measured anew)."""
         self._seen.pop(batch, None)
@@ -335,7 +343,7 @@ class RealizedRate:
 
     def _known(self, batch: int, now: float):
         means, rounds, at = self._seen.get(batch, ((), 0, now))
-        if rounds < self.min_rounds or now - at > self.ttl_s:
+        if rounds < self.rounds_needed(batch) or now - at > self.ttl_s:
             return None
         return means, rounds
 

@@ -25,6 +25,13 @@ from vllm_saguaro.core.fanout import AcceptanceFit
 # The fast backup's acceptance priors by match length 0..3, below the measured (above)
 # until its own rounds say otherwise.
 MATCH_PRIORS = (0.02, 0.15, 0.35, 0.55)
+# The same for sampled requests, which accept a lookup token with the target's
+# probability of it. Measured per token (accepted / (accepted + rejections),
+# benchmarks/lookup_acceptance.py, 8 prompts a set, 64 tokens, K = 3) by match length
+# 1 / 2 / 3: greedy 0.13 / 0.39 / 0.79 on MT-Bench, 0.31 / 0.65 / 0.90 on HumanEval;
+# sampled at T = 1 0.08 / 0.31 / 0.27 (3-token matches at 2% of the positions) and
+# 0.18 / 0.47 / 0.72.
+SAMPLED_MATCH_PRIORS = (0.01, 0.05, 0.2, 0.3)
 
 
 class FastDraft(NamedTuple):
@@ -73,25 +80,50 @@ def recent_matches(tokens: list[int], window: int = 32, max_n: int = 3) -> list[
 
 class MatchAcceptance:
     """The fast backup's per-token acceptance by match length (AcceptanceFit each, from
-    its drafts sent and those judged without being sent), and how often each match length
-    comes up (decayed counts of the drafts made): the idle decision's model weighs the
-    misses the fast backup would serve by both (core/theory.py ssd_rate's `fast`)."""
+    its drafts sent and those judged without being sent), for greedy and for sampled
+    requests apart, and how often each match length comes up (decayed counts of the
+    drafts made): the idle decision's model weighs the misses the fast backup would serve
+    by both (core/theory.py ssd_rate's `fast`).
 
-    def __init__(self, priors: tuple[float, ...] = MATCH_PRIORS, decay: float = 0.99):
-        self.fits = [AcceptanceFit(p) for p in priors]
+    A sampled request accepts a lookup token (verified with a one-hot q) with the
+    target's probability of it, a greedy one where it is the argmax: at batch 4 on
+    MT-Bench, T = 1, 11 of 141 drafted tokens were accepted where one fit for both still
+    held the T = 0 rounds' rates (issue 19's twentieth round). A batch's rate is the mix
+    of its rows' (sampled_share, set by the draft worker each step)."""
+
+    def __init__(self, priors: tuple[float, ...] = MATCH_PRIORS,
+                 sampled_priors: tuple[float, ...] = SAMPLED_MATCH_PRIORS, decay: float = 0.99):
+        if len(priors) != len(sampled_priors):
+            raise ValueError("one prior per match length, for greedy and sampled requests alike")
+        self.fits = {True: [AcceptanceFit(p) for p in priors],
+                     False: [AcceptanceFit(p) for p in sampled_priors]}
         self.decay = decay
         self.seen = [0.0] * len(priors)
+        self.sampled_share = 0.0
+
+    @property
+    def lengths(self) -> int:
+        """How many match lengths (0..max) it keeps."""
+        return len(self.seen)
 
     def note(self, n: int) -> None:
         """A draft was made with a match of length n."""
         self.seen = [s * self.decay for s in self.seen]
         self.seen[n] += 1.0
 
-    def observe(self, n: int, accepted: int, judged: int) -> None:
-        self.fits[n].observe(accepted, judged)
+    def observe(self, n: int, accepted: int, judged: int, greedy: bool = True) -> None:
+        self.fits[greedy][n].observe(accepted, judged)
 
-    def rate(self, n: int) -> float:
-        return self.fits[n].rate
+    def rate(self, n: int, greedy: bool | None = None) -> float:
+        """A token's acceptance after a match of length n: a greedy or a sampled
+        request's, or (None) the batch's mix."""
+        if greedy is not None:
+            return self.fits[greedy][n].rate
+        s = self.sampled_share
+        return (1.0 - s) * self.fits[True][n].rate + s * self.fits[False][n].rate
+
+    def rates(self, greedy: bool | None = None) -> tuple[float, ...]:
+        return tuple(self.rate(n, greedy) for n in range(self.lengths))
 
     def shares(self) -> list[float]:
         """Each match length's share of the drafts made (all 'no match' before any)."""
@@ -109,8 +141,9 @@ class MatchAcceptance:
 
     @property
     def overall(self) -> float:
-        """The acceptance of a lookup draft, all match lengths as they come up."""
-        return sum(s * f.rate for s, f in zip(self.shares(), self.fits))
+        """The acceptance of a lookup draft, all match lengths as they come up (the
+        batch's mix)."""
+        return sum(s * r for s, r in zip(self.shares(), self.rates()))
 
 
 class LookupWatch:

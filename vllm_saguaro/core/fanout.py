@@ -84,6 +84,31 @@ class AcceptanceFit:
         return min(max(a, 0.01), 0.99)
 
 
+class SplitAcceptanceFit:
+    """a_p for greedy and for sampled requests apart, and a batch's as the mix of its
+    rows' (sampled_share, which the draft worker sets from the batch each step).
+
+    A greedy request accepts a draft token where it is the target's argmax, a sampled
+    one with the target's probability of it: they differ by the sampling, not by the
+    text, and a batch may hold both. One fit for both carried a T = 0 batch's rate into
+    the T = 1 batch after it (issue 19's twentieth round)."""
+
+    def __init__(self, prior: float, **kwargs):
+        self.fits = {True: AcceptanceFit(prior, **kwargs), False: AcceptanceFit(prior, **kwargs)}
+        self.sampled_share = 0.0
+
+    def observe(self, accepted: int, drafted: int, greedy: bool = True) -> None:
+        self.fits[greedy].observe(accepted, drafted)
+
+    def rate_of(self, greedy: bool) -> float:
+        return self.fits[greedy].rate
+
+    @property
+    def rate(self) -> float:
+        s = self.sampled_share
+        return (1.0 - s) * self.fits[True].rate + s * self.fits[False].rate
+
+
 def uniform_fanout(k_max: int, width: int) -> list[int]:
     """The reference engine's default: the same number of candidates at every k."""
     return [width] * (k_max + 1)

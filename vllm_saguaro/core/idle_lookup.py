@@ -41,26 +41,28 @@ LOOKUP_ENTRY_MARGIN = 0.05
 class IdleLookupAdvice(NamedTuple):
     """What the draft worker hands the proposer with an idle (draft/regime.py IdleAdvice):
     the acceptance of a lookup draft's tokens by match length (core/fallback.py
-    MatchAcceptance), and the line (fixed_s, per_token_s) of plain decoding's step by
-    width on the cores the target has while the draft idles."""
+    MatchAcceptance), a greedy request's and a sampled one's, and the line (fixed_s,
+    per_token_s) of plain decoding's step by width on the cores the target has while the
+    draft idles."""
 
     rates: tuple[float, ...]
+    sampled_rates: tuple[float, ...]
     plain: tuple[float, float]
     forced: bool = False  # testing switch (controller.force_idle_lookup): every row sends
 
 
-def lookup_lengths(matches: list[int | None], rates, cap: int,
+def lookup_lengths(rates: list[float | None], cap: int,
                    plain_s: Callable[[int], float], verify_s: Callable[[int], float],
                    margin: float = LOOKUP_ENTRY_MARGIN) -> list[int]:
-    """Tokens each row sends, 0..cap: matches[i] is the match length of row i's lookup
-    draft (None: the row may send nothing: it is not decoding, or a seeded request, whose
-    drafts must not depend on timing). All 0 unless the plan's expected rate beats plain
-    decoding's by `margin`."""
-    batch = len(matches)
+    """Tokens each row sends, 0..cap: rates[i] is the acceptance of each token of row i's
+    lookup draft (that of its match length, for its kind of request; None: the row may
+    send nothing: it is not decoding, or a seeded request, whose drafts must not depend
+    on timing). All 0 unless the plan's expected rate beats plain decoding's by
+    `margin`."""
+    batch = len(rates)
     if not batch or cap <= 0:
         return [0] * batch
-    cands = [Candidate() if n is None else Candidate(free=(rates[n],) * cap, cap=cap)
-             for n in matches]
+    cands = [Candidate() if r is None else Candidate(free=(r,) * cap, cap=cap) for r in rates]
     plan = choose_lengths(cands, plain_then_verify(plain_s, verify_s, batch), lambda rows: 0.0)
     plain = batch / max(plain_s(batch), 1e-9)
     if not sum(plan.lengths) or plan.rate <= (1.0 + margin) * plain:
@@ -85,16 +87,20 @@ def idle_lookup_rate(batch: int, share: float, rate: float, k: int,
 
 class IdleLookup:
     """The proposer's prompt lookup through one idle (vllm_glue/proposer.py): the rates by
-    match length and the two lines, from the advice, then from its own rounds; the rows
-    that sent drafts last round, to learn from what was accepted."""
+    match length (greedy and sampled requests apart: a sampled one accepts a lookup
+    token with the target's probability of it) and the two lines, from the advice, then
+    from its own rounds; the rows that sent drafts last round, to learn from what was
+    accepted."""
 
     def __init__(self, advice: IdleLookupAdvice, margin: float = LOOKUP_ENTRY_MARGIN):
-        self.fits = [AcceptanceFit(r) for r in advice.rates]
+        self.fits = {True: [AcceptanceFit(r) for r in advice.rates],
+                     False: [AcceptanceFit(r) for r in advice.sampled_rates]}
         self.plain = StepCost(*advice.plain)
         self.verify = StepCost(*advice.plain)  # until measured: a step of that width
         self.margin = margin
         self.forced = advice.forced
-        self.sent: dict[str, tuple[int, int]] = {}  # request -> (match length, tokens sent)
+        # request -> (greedy, match length, tokens sent)
+        self.sent: dict[str, tuple[bool, int, int]] = {}
 
     def observe_step(self, width: int, seconds: float, drafted: bool) -> None:
         """The target's last step, as the proposer measured it (a clean decode step)."""
@@ -103,21 +109,22 @@ class IdleLookup:
     def observe_outcome(self, rid: str, sampled: list[int]) -> None:
         """What the target accepted of the request's last lookup draft: its tokens this
         step are the accepted ones and one more."""
-        n_sent = self.sent.pop(rid, None)
-        if n_sent is not None and sampled:
-            n, sent = n_sent
-            self.fits[n].observe(min(len(sampled) - 1, sent), sent)
+        made = self.sent.pop(rid, None)
+        if made is not None and sampled:
+            greedy, n, sent = made
+            self.fits[greedy][n].observe(min(len(sampled) - 1, sent), sent)
 
-    def lengths(self, rids: list[str], matches: list[int | None], cap: int) -> list[int]:
-        """This step's lengths (lookup_lengths), remembered per request for its outcome."""
+    def lengths(self, rids: list[str], matches: list[int | None], greedy: list[bool],
+                cap: int) -> list[int]:
+        """This step's lengths (lookup_lengths), remembered per request for its outcome;
+        greedy[i]: whether row i's request is greedy."""
         self.sent.clear()
         if self.forced:
             out = [0 if n is None else cap for n in matches]
         else:
-            rates = [f.rate for f in self.fits]
-            out = lookup_lengths(matches, rates, cap, self.plain.predict, self.verify.predict,
-                                 self.margin)
-        for rid, n, length in zip(rids, matches, out):
+            rates = [None if n is None else self.fits[g][n].rate for n, g in zip(matches, greedy)]
+            out = lookup_lengths(rates, cap, self.plain.predict, self.verify.predict, self.margin)
+        for rid, n, g, length in zip(rids, matches, greedy, out):
             if length:
-                self.sent[rid] = (n, length)
+                self.sent[rid] = (g, n, length)
         return out

@@ -20,19 +20,20 @@ from vllm_saguaro.draft.state import SeqState
 class LengthPlanning:
     """DraftWorker's speculation lengths and fallback, each step (see the module's docstring)."""
 
-    def _source_alphas(self, spec: Speculation, source: str,
-                       cand: Candidate) -> tuple[float, ...]:
+    def _source_alphas(self, spec: Speculation, source: str, cand: Candidate,
+                       greedy: bool) -> tuple[float, ...]:
         """_alphas by who drafted it: the fast backup's tokens at the rate its candidate
         had (that of its match length)."""
         if source == "fast":
             return cand.free[:len(spec.tokens)]
-        return () if source == "plain" else self._alphas(spec)
+        return () if source == "plain" else self._alphas(spec, greedy)
 
-    def _alphas(self, spec: Speculation) -> tuple[float, ...]:
+    def _alphas(self, spec: Speculation, greedy: bool) -> tuple[float, ...]:
         """P(accept) of each token of a drafted speculation: its calibrated confidence where
         one was recorded (not after the first token of a sampled one: see
-        core/controller.py on losslessness), a_p elsewhere."""
-        a_p = self.acceptance.rate
+        core/controller.py on losslessness), a_p elsewhere (a greedy or a sampled
+        request's)."""
+        a_p = self.acceptance.rate_of(greedy)
         conf = spec.confidence or [None] * len(spec.tokens)
         return tuple(a_p if c is None else self.calibration.rate(c) for c in conf)
 
@@ -54,12 +55,15 @@ class LengthPlanning:
         if ctl.force_lengths is not None:
             cap, fixed = min(cap, ctl.force_lengths[(i + self._round) % len(ctl.force_lengths)]), True
         if hit is not None:
-            return Candidate(free=self._alphas(hit), cap=cap, fixed=fixed)
+            return Candidate(free=self._alphas(hit, st.sampling.greedy), cap=cap, fixed=fixed)
         if fresh and not fixed and self.cfg.async_:
             return Candidate(cap=0)
         fast_ok = (looked_up or self._lent_sd) and self._fast_allowed(st)
-        free = (self.fast_acceptance.rate(self._fast_draft(st).n),) * self.K if fast_ok else ()
-        neural = (self.acceptance.rate,) * self.K if not (fast_ok and self.cfg.fallback == "fast") else ()
+        greedy = st.sampling.greedy
+        free = ((self.fast_acceptance.rate(self._fast_draft(st).n, greedy),) * self.K
+                if fast_ok else ())
+        neural = ((self.acceptance.rate_of(greedy),) * self.K
+                  if not (fast_ok and self.cfg.fallback == "fast") else ())
         return Candidate(free=free, neural=neural, cap=cap, fixed=fixed)
 
     def _fast_draft(self, st: SeqState) -> FastDraft:
@@ -109,7 +113,8 @@ class LengthPlanning:
         final = []
         for i, c in enumerate(cands):
             fixed = c.fixed or not self._verify_cost().known
-            final.append(Candidate(free=self._source_alphas(specs[i], sources[i], c),
+            final.append(Candidate(free=self._source_alphas(specs[i], sources[i], c,
+                                                            self._greedy_rows[i]),
                                    cap=c.cap, fixed=fixed))
         return choose_lengths(final, self._verify_s(len(cands)), lambda rows: 0.0,
                               sunk_s=sunk).lengths
@@ -126,15 +131,16 @@ class LengthPlanning:
                 or any(cands[i].fixed for i in neural)):
             return None
         rows = set(neural)
-        others = [Candidate(free=self._source_alphas(specs[i], sources[i], c), cap=c.cap,
-                            fixed=c.fixed) for i, c in enumerate(cands) if i not in rows]
+        others = [Candidate(free=self._source_alphas(specs[i], sources[i], c,
+                                                     self._greedy_rows[i]),
+                            cap=c.cap, fixed=c.fixed) for i, c in enumerate(cands) if i not in rows]
         verify, step_s = self._verify_s(len(cands)), self._draft_cost().predict(len(neural))
         over = (self.lent_sd_overhead or 0.0) if self._lent_sd else 0.0
 
         def more(drafts: list[Speculation]) -> bool:
             now, nxt = list(others), list(others)
             for i, d in zip(neural, drafts):
-                a = self._alphas(d)
+                a = self._alphas(d, self._greedy_rows[i])
                 now.append(Candidate(free=a, cap=min(len(a), cands[i].cap)))
                 longer = a + a[-1:] if len(a) < cands[i].cap else a
                 nxt.append(Candidate(free=longer, cap=min(len(longer), cands[i].cap)))

@@ -24,6 +24,7 @@ from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beat
                                           speculation_pays)
 from vllm_saguaro.core.fallback import recent_matches
 from vllm_saguaro.core.idle_lookup import IdleLookupAdvice, idle_lookup_rate
+from vllm_saguaro.core.sampling import SamplingSpec
 from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
 from vllm_saguaro.draft.drafting import lcp
 from vllm_saguaro.draft.state import Update
@@ -89,6 +90,13 @@ LOOKUP_WAKE_MARGIN = 0.1
 # the lent cores' rates from MT-Bench (24-25 tok/s) held the draft idle (plain decoding
 # 25.8) for the first 10 s of HumanEval, where SD on the lent cores then gave 45.
 TEXT_CHANGE_SHARE = 0.25
+
+# The same for the batch's share of sampled requests (RegimeChoice._see_sampling): a
+# greedy and a sampled request accept drafts at rates of their own (core/fanout.py
+# SplitAcceptanceFit), so what the regimes gave on one is no measure of the other.
+# Measured at batch 4 (HumanEval, T = 1 after T = 0 on one engine): SD on the lent cores
+# ran 76 of the ~250 rounds, 87 of its 336 tokens accepted (issue 19's twentieth round).
+SAMPLING_CHANGE_SHARE = 0.25
 
 # A close idle after a try of SD on the lent cores that did not pay (_wake, _close_idle):
 # no wake on new text, a recheck after LENT_TRY_BACKOFF_S instead, doubled for each such
@@ -215,6 +223,25 @@ class RegimeChoice:
             self.lent_sd_realized.forget_all()
             self.stats.text_changes += 1
 
+    def _see_sampling(self, updates: list[Update]) -> None:
+        """Which of the batch's rows are greedy (_greedy_rows, for each row's rates) and
+        the share of sampled ones, which mixes the batch's a_p and lookup rates
+        (SplitAcceptanceFit, MatchAcceptance); where that share moved by
+        SAMPLING_CHANGE_SHARE, what both regimes gave is forgotten."""
+        self._greedy_rows = [
+            (SamplingSpec(*sampling) if sampling else SamplingSpec()).greedy
+            if full is not None or rid not in self.seqs else self.seqs[rid].sampling.greedy
+            for rid, _, full, sampling in updates]
+        if not updates:
+            return
+        share = self._greedy_rows.count(False) / len(updates)
+        before = self.acceptance.sampled_share
+        self.acceptance.sampled_share = self.fast_acceptance.sampled_share = share
+        if abs(share - before) >= SAMPLING_CHANGE_SHARE:
+            self.realized.forget_all()
+            self.lent_sd_realized.forget_all()
+            self.stats.sampling_changes += 1
+
     def _catch_up_tokens(self, updates: list[Update]) -> int:
         """Tokens the draft must prefill before it can speculate on this batch: those of
         new or resynced sequences beyond the KV it still holds for them."""
@@ -243,7 +270,8 @@ class RegimeChoice:
         ctl = self.cfg.controller
         if ctl.force_idle_lookup:  # (testing switch) idle at every batch size, every row sends
             return IdleAdvice(0, probe=False, lookup=IdleLookupAdvice(
-                (1.0,) * len(self.fast_acceptance.fits), (1.0, 0.0), forced=True))
+                (1.0,) * self.fast_acceptance.lengths, (1.0,) * self.fast_acceptance.lengths,
+                (1.0, 0.0), forced=True))
         if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
                 or not self.target_cost.known or not batch or self._explore > 0):
             return None  # (_explore: trying SD on the lent cores after a close idle)
@@ -295,8 +323,8 @@ class RegimeChoice:
         plain = self.lent_cost if lending else self.target_cost
         if not plain.known:
             return None
-        rates = tuple(self.fast_acceptance.rate(n) for n in range(len(self.fast_acceptance.fits)))
-        return IdleLookupAdvice(rates, plain.line())
+        m = self.fast_acceptance
+        return IdleLookupAdvice(m.rates(greedy=True), m.rates(greedy=False), plain.line())
 
     def _probe_due(self, batch: int, now: float) -> bool:
         """Plain decoding on the lent cores is to be measured at this batch size: never
@@ -357,7 +385,7 @@ class RegimeChoice:
             return None
         plain = batch / max(plain_s(batch), 1e-9)
         now = time.perf_counter()
-        lengths = len(self.fast_acceptance.fits)
+        lengths = self.fast_acceptance.lengths
         if lookup is not None:
             lines = (StepCost(*lookup.plain).predict,) * 2  # (IdleLookup: a verification's)
         for share in LOOKUP_WAKE_SHARES:
@@ -365,7 +393,7 @@ class RegimeChoice:
             lent_sd = self._lent_sd_rate(batch, now, measured=False, shares=shares)
             best = max(self._expected_rate(batch, shares), lent_sd or 0.0)
             idle = plain if lookup is None else idle_lookup_rate(
-                batch, share, lookup.rates[-1], self.K, *lines)
+                batch, share, self.fast_acceptance.rate(lengths - 1), self.K, *lines)
             if best > (1.0 + LOOKUP_WAKE_MARGIN) * idle:
                 return share
         return None
@@ -382,7 +410,7 @@ class RegimeChoice:
 
     def _wake(self, batch: int) -> None:
         """The first step after a close idle (IdleAdvice.recheck_s or new_text): try SD
-        on the lent cores for as many steps as its measurement needs (min_rounds), by
+        on the lent cores for as many steps as its measurement needs (rounds_needed), by
         the model alone (its stale measurement forgotten, no entry margin), so that the
         next decision sees the text running now; or, where the idle said so
         (SSD_TRY_SHARE), explore SSD (SSD_EXPLORE_ROUNDS)."""
@@ -393,7 +421,8 @@ class RegimeChoice:
         elif (self._limit is not None and try_ssd is None
               and (self._limit.recheck_s is not None or self._limit.new_text)):
             self.lent_sd_realized.forget(batch)
-            self._explore, self._explore_batch = self.lent_sd_realized.min_rounds, batch
+            self._explore = self.lent_sd_realized.rounds_needed(batch)
+            self._explore_batch = batch
             self._lent_sd_tried.add(batch)  # (_close_idle's backoff)
             self.stats.lent_sd_explores += 1
         elif self._explore > 0:  # another batch size: its own decision
@@ -558,8 +587,7 @@ class RegimeChoice:
         verification, it is often the only way lookup drafts pay, and without it the
         models (and the idle's lookup wake share) left that way out."""
         m = self.fast_acceptance
-        by_rate = sorted(zip(shares or m.shares(), (m.rate(n) for n in range(len(m.fits)))),
-                         key=lambda x: -x[1])
+        by_rate = sorted(zip(shares or m.shares(), m.rates()), key=lambda x: -x[1])
         if self.cfg.fallback == "neural":
             return [([], True)]
         served = [by_rate[:j] for j in range(1, len(by_rate) + 1)]

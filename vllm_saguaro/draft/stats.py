@@ -33,6 +33,7 @@ class DraftStats:
     fast_rounds: int = 0          # rounds whose misses the fast backup alone drafted
     fast_shadowed: int = 0        # outcomes that judged a fast-backup draft not sent
     text_changes: int = 0         # new text moved the 3-token match share: rates forgotten
+    sampling_changes: int = 0     # the batch's sampled share moved: rates forgotten
     # Verified outcomes and the tokens they gave (accepted + bonus), by who drafted the
     # speculation: the theory's E_hit and E_miss, and the fast backup's own acceptance.
     hit_outcomes: int = 0

@@ -31,7 +31,7 @@ from vllm_saguaro.config import SaguaroConfig
 from vllm_saguaro.core.cache import Speculation
 from vllm_saguaro.core.controller import Candidate, RealizedRate, StepCost, choose_lengths
 from vllm_saguaro.core.fallback import MatchAcceptance
-from vllm_saguaro.core.fanout import AcceptanceFit, BudgetControl, fanout_for
+from vllm_saguaro.core.fanout import BudgetControl, SplitAcceptanceFit, fanout_for
 from vllm_saguaro.core.outcome import Outcome, is_consistent, outcome_from_sampled
 from vllm_saguaro.core.placement import omp_env, process_threads
 from vllm_saguaro.core.sampling import SamplingSpec, counts_int16, wire_counts
@@ -129,7 +129,8 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         self.device = device
         self.kv = PagedKVCache(s.num_layers, s.num_kv_heads, s.head_dim, self.model.dtype, device)
         self.K = cfg.num_speculative_tokens
-        self.acceptance = AcceptanceFit(cfg.fanout.acceptance_rate)
+        self.acceptance = SplitAcceptanceFit(cfg.fanout.acceptance_rate)  # greedy / sampled
+        self._greedy_rows: list[bool] = []  # this step's rows: greedy or sampled
         self.calibration = AcceptanceCalibration()  # for the 'probable' outcome selection
         # What the speculation-length controller weighs (core/controller.py): the target's
         # step time by tokens verified (measured by the proposer), the neural fallback's
@@ -167,8 +168,11 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         # ~100 rounds (alpha 0.02): over ~40 (0.05), one HumanEval prompt whose drafts
         # were rejected for a few dozen rounds idled it where it gave 1.10x plain
         # decoding over the set (measured at batch 1: 26.3 tok/s against 26.2, then
-        # 28.9 against 26.3 with 0.02)
-        self.lent_sd_realized = RealizedRate(min_rounds=48, ttl_s=30.0, alpha=0.02)
+        # 28.9 against 26.3 with 0.02). 48 rows (rounds x batch), not 48 rounds: at batch
+        # 4 (T = 1) a first batch ran it in every round (~40) unmeasured, 0.84x plain
+        # vLLM, where 12 rounds showed it below plain decoding (issue 19's twentieth round)
+        self.lent_sd_realized = RealizedRate(min_rounds=8, ttl_s=30.0, alpha=0.02,
+                                             min_rows=48)
         self._lent_sd = False  # this step is SD on the lent cores (controller.regime)
         # (when, batch, lent_sd) of the last step
         self._last_call: tuple[float, int, bool] | None = None
@@ -375,6 +379,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
                     self.lent_widths.add(width)
             self._cap = self.K if k_cap is None else max(0, min(self.K, k_cap))
             self._see_text(updates)
+            self._see_sampling(updates)
             self._observe_round(updates, t0, target_steps[-1][1] if target_steps else None)
             self._wake(len(updates))
             # an exploration of SSD (regime.py SSD_EXPLORE_ROUNDS) goes on, or starts
@@ -559,7 +564,7 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
             shadow = st.shadow_fast
             m = lcp(shadow.tokens, sampled)
             judged = m + 1 if m < min(len(sampled), len(shadow.tokens)) else m
-            self.fast_acceptance.observe(shadow.n, m, judged)
+            self.fast_acceptance.observe(shadow.n, m, judged, st.sampling.greedy)
             self.stats.fast_shadowed += 1
             st.shadow_fast = None
         if not st.spec:
@@ -567,9 +572,10 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         if st.confidence is not None:
             self.calibration.observe(st.confidence, len(sampled) - 1)
         if st.source == "fast":
-            self.fast_acceptance.observe(st.fast.n, len(sampled) - 1, len(st.spec))
+            self.fast_acceptance.observe(st.fast.n, len(sampled) - 1, len(st.spec),
+                                         st.sampling.greedy)
         else:
-            self.acceptance.observe(len(sampled) - 1, len(st.spec))
+            self.acceptance.observe(len(sampled) - 1, len(st.spec), st.sampling.greedy)
 
     def _table_lookups(self, updates: list[Update]) -> dict[str, Speculation | None]:
         """The verified outcomes of every sequence whose branches are on the table, matched

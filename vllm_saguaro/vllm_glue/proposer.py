@@ -283,17 +283,19 @@ class SaguaroProposer:
                                   sampling_of, cap, step)
         # a batch arriving: requests joined, and the draft holds none of the batch's yet
         arriving = joined and not any(rid in self.mirror for rid in req_ids)
-        woken = self._watch_lookup(sampled_token_ids, num_tokens, token_ids_cpu, looked_up)
+        woken = self._watch_lookup(sampled_token_ids, num_tokens, token_ids_cpu,
+                                   None if looked_up is None else looked_up[0])
         if self._idle(req_ids, decoding, finished, arriving, woken):
             drafts = [[] for _ in req_ids]
             if self._idle_lookup is not None and looked_up is not None:
+                made, greedy = looked_up
                 lengths = self._idle_lookup.lengths(
-                    req_ids, [None if d is None else d.n for d in looked_up], cap)
-                drafts = [d.tokens[:n] if n else [] for d, n in zip(looked_up, lengths)]
+                    req_ids, [None if d is None else d.n for d in made], greedy, cap)
+                drafts = [d.tokens[:n] if n else [] for d, n in zip(made, lengths)]
             self._width = (decoding + sum(map(len, drafts))) if decoding == len(req_ids) else None
             self._drafted = self._looked_up = any(drafts)
             self.metrics.record_idle_round([len(d) for d, s in zip(drafts, sampled_token_ids) if s])
-            probs = self._lookup_probs(req_ids, drafts, sampling_of) if self._drafted else None
+            probs = self._lookup_probs(drafts, looked_up[1]) if self._drafted else None
             self._last_done = time.perf_counter()
             self.metrics.round_done(self._last_done)
             return drafts, probs
@@ -434,34 +436,38 @@ class SaguaroProposer:
         return [[] for _ in range(rows)], None
 
     def _look_up(self, req_ids, num_tokens, token_ids_cpu, sampled_token_ids, sampling_of,
-                 cap: int, step) -> list[FastDraft | None] | None:
+                 cap: int, step) -> tuple[list[FastDraft | None], list[bool]] | None:
         """While idle with prompt lookup of its own (IdleAdvice.lookup): what the last
         step measured and accepted goes into the IdleLookup, and each decoding row gets
         its lookup draft of `cap` tokens (None: the row may send nothing: still
-        prefilling, or a seeded request, whose drafts must not depend on timing).
-        ~0.03 ms a row at 2k tokens. None: no lookup this idle."""
+        prefilling, or a seeded request, whose drafts must not depend on timing), and
+        whether its request is greedy. ~0.03 ms a row at 2k tokens. None: no lookup this
+        idle."""
         look = self._idle_lookup
         if look is None or self.idle_above is None or cap <= 0:
             return None
         if step is not None:
             look.observe_step(step[0], step[1], step[3])
         made: list[FastDraft | None] = []
+        greedy: list[bool] = []
         for row, (rid, sampled) in enumerate(zip(req_ids, sampled_token_ids)):
             look.observe_outcome(rid, sampled)
-            if not sampled or sampling_of(rid).seeded:
+            spec = sampling_of(rid)
+            greedy.append(spec.greedy)
+            if not sampled or spec.seeded:
                 made.append(None)
             else:
                 made.append(ngram_match(token_ids_cpu[row, :int(num_tokens[row])].tolist(), cap))
-        return made
+        return made, greedy
 
-    def _lookup_probs(self, req_ids, drafts, sampling_of) -> torch.Tensor | None:
+    def _lookup_probs(self, drafts, greedy: list[bool]) -> torch.Tensor | None:
         """The q of a round of the idle's lookup drafts: None where every row is greedy
         (verified by argmax), else one-hot on each row's drafted tokens, as for the
         draft's greedy rows (_draft_probs): a lookup draft is drawn from no distribution
         but itself, so a sampled row's tokens are accepted with the target's p."""
-        if all(sampling_of(rid).greedy for rid, d in zip(req_ids, drafts) if d):
+        if all(g for g, d in zip(greedy, drafts) if d):
             return None
-        probs = torch.zeros(len(req_ids), self.cfg.num_speculative_tokens, self.vocab_size)
+        probs = torch.zeros(len(drafts), self.cfg.num_speculative_tokens, self.vocab_size)
         for row, tokens in enumerate(drafts):
             if tokens:
                 probs[row, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
