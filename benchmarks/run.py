@@ -425,13 +425,17 @@ def run_system(system: System, block: list[Group], prompts: dict[str, list[str]]
 def pool_starts(runs: list[dict]) -> list[dict]:
     """One record per system and group from the records of its engine starts: the
     requests, spans and counters of all starts together (figures are medians over them),
-    and each start's tok/s total kept as `starts_tok_s` for the spread."""
+    and each start's tok/s total kept as `starts_tok_s` for the spread, its counters as
+    `starts_counters` and its forward times as `starts_forward_ms` (a slow start is then
+    told apart: at batch 4, T = 1, the slow starts were those in which the draft ran,
+    README issue 19's twentieth round)."""
     pooled: dict[tuple, dict] = {}
     for r in runs:
         key = (r["system"], r["dataset"], r["temperature"], r["batch"])
         if key not in pooled:
             pooled[key] = {**r, "starts_tok_s": [r["tok_s_total"]],
-                           "starts_forward_ms": [r["forward_ms"]]}
+                           "starts_forward_ms": [r["forward_ms"]],
+                           "starts_counters": [r["counters"]]}
             continue
         p = pooled[key]
         for f in ("per_token_s", "spans_s", "wall_s"):
@@ -441,11 +445,12 @@ def pool_starts(runs: list[dict]) -> list[dict]:
         p["counters"] = {k: p["counters"].get(k, 0) + r["counters"].get(k, 0)
                          for k in p["counters"].keys() | r["counters"].keys()}
         p["starts_forward_ms"].append(r["forward_ms"])
+        p["starts_counters"].append(r["counters"])
         p["starts_tok_s"].append(r["tok_s_total"])
     records = list(pooled.values())
     for rec in records:
         # forward ms: width by width, the mean over the starts that ran that width
-        starts = rec.pop("starts_forward_ms")
+        starts = rec["starts_forward_ms"]
         rec["forward_ms"] = {w: statistics.mean(d[w] for d in starts if w in d)
                              for w in dict.fromkeys(w for d in starts for w in d)}
         summarize(rec)
