@@ -154,6 +154,8 @@ def test_engine_starts_pool_into_one_record_per_cell_with_their_spread():
     assert one["counters"]["vllm:spec_decode_num_accepted_tokens"] == 20
     assert one["accept_len"] == 2.0 and one["n_requests"] == 3
     assert one["forward_ms"] == {"1": 15.0, "5": 7.0}
+    assert one["starts_forward_ms"] == [{"1": 10.0, "5": 7.0}, {"1": 20.0}]
+    assert [c["vllm:spec_decode_num_accepted_tokens"] for c in one["starts_counters"]] == [5, 15]
     two = next(r for r in pooled if r["batch"] == 2)
     assert two["starts_tok_s"] == [10.0] and two["tok_s_total"] == 10.0
     for r in pooled:
