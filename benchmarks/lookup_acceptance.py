@@ -2,10 +2,10 @@
 
 The fast backup (core/fallback.py) continues the most recent earlier occurrence of the
 last n tokens (n = 3, else 2, else 1; n = 0: nothing matches and the last token is
-repeated). This decodes each prompt with the target (transformers, no vLLM; greedily, or sampled
-at --temperature), then at every position of the output makes the lookup draft from the
-tokens before it and counts how many of its K tokens the target's own continuation
-accepts:
+repeated). This decodes each prompt with the target (transformers, no vLLM; greedily,
+or sampled at --temperature), then at every position of the output makes the lookup
+draft from the tokens before it and counts how many of its K tokens the target's own
+continuation accepts:
 
   python -m benchmarks.lookup_acceptance [--target DIR] [--prompts-per-set 8]
       [--max-tokens 64] [-k 3] [--temperature 0] [--json-out FILE]

@@ -78,12 +78,12 @@ def test_an_idle_lookup_learns_its_rates_and_lines_from_its_rounds():
     for _ in range(300):  # every draft rejected at its first token
         look.observe_outcome("a", [9])
         look.lengths(rids, [3, 0], greedy, 3)
-    stopped = look.fits[True][3].rate
+    stopped = look.acceptance.rate(3, True)
     assert stopped < RATES[3] / 2 and look.lengths(rids, [3, 0], greedy, 3) == [0, 0]
     assert look.sent == {}
     look.observe_outcome("a", [1, 2, 3, 4])  # nothing sent last: nothing learnt
-    assert look.fits[True][3].rate == stopped
-    assert look.fits[False][3].rate == RATES[3]  # a sampled request's: not taught
+    assert look.acceptance.rate(3, True) == stopped
+    assert look.acceptance.rate(3, False) == RATES[3]  # a sampled request's: not taught
 
     look = IdleLookup(advice)
     for _ in range(60):  # each verification as dear as two plain steps
@@ -105,7 +105,7 @@ def test_greedy_and_sampled_requests_send_by_their_own_rates():
         look.observe_outcome("g", [1, 2, 3, 4])
         look.observe_outcome("s", [9])
         look.lengths(["g", "s"], [3, 3], [True, False], 3)
-    assert look.fits[True][3].rate > RATES[3] > 0.2 > look.fits[False][3].rate
+    assert look.acceptance.rate(3, True) > RATES[3] > 0.2 > look.acceptance.rate(3, False)
     greedy_row, sampled_row = look.lengths(["g", "s"], [3, 3], [True, False], 3)
     assert greedy_row == 3 and sampled_row < 3
 

@@ -462,8 +462,9 @@ def test_an_idle_sends_its_own_lookup_drafts_where_they_pay():
     assert probs[1:].sum() == 0
     look = p._idle_lookup
     # all 3 accepted, taught to the greedy fit ("a" was greedy when it sent them)
-    assert look.fits[True][3].accepted > 0 and look.fits[True][3].rejected == 0
-    assert look.fits[False][3].accepted == 0
+    fits = look.acceptance.fits
+    assert fits[True][3].accepted > 0 and fits[True][3].rejected == 0
+    assert fits[False][3].accepted == 0
     assert look.verify.predict(9) < StepCost(0.036, 0.001).predict(9)  # 40 ms, not 45
     assert p.target_steps == []  # the IdleLookup's alone, not the worker's (SD's line)
 

@@ -106,17 +106,22 @@ def choose_lengths(cands: list[Candidate], target_s: Callable[[int], float],
                 or (c.fixed and len(free) < c.cap))
             alphas.append(tuple(c.neural[:min(d, c.cap)]) if use else free)
             neural.append(use)
-        lengths = [len(a) if c.fixed else 0 for a, c in zip(alphas, cands)]
+        base = [len(a) if c.fixed else 0 for a, c in zip(alphas, cands)]  # fixed rows: whole
         tokens = n + sum(expected_tokens(a) for a, c in zip(alphas, cands) if c.fixed)
         items = sorted(((p, i) for i, (a, c) in enumerate(zip(alphas, cands)) if not c.fixed
                         for p in _prefix_probs(a)), key=lambda x: -x[0])
+
+        def drafting(ls: list[int]) -> tuple[list[bool], int]:
+            """The rows the neural fallback drafts, and its steps (the longest of them)."""
+            used = [u and L > 0 for u, L in zip(neural, ls)]
+            return used, max((L for u, L in zip(used, ls) if u), default=0)
+
         # The batch's m best tokens for every m, each step's cost kept as running totals
         # (lengths only grow): O(1) per m. Rebuilding the plan for each m took 8.8 ms a
         # step at batch 256, this 0.5 (benchmarks/plan_cost.py)
-        sent = sum(lengths)
-        drafted = [u and L > 0 for u, L in zip(neural, lengths)]
+        lengths, sent = list(base), sum(base)
+        drafted, steps_needed = drafting(lengths)
         rows = sum(drafted)
-        steps_needed = max((L for u, L in zip(drafted, lengths) if u), default=0)
 
         def seconds() -> float:
             draft = steps_needed * draft_step_s(rows) if steps_needed else 0.0
@@ -133,12 +138,10 @@ def choose_lengths(cands: list[Candidate], target_s: Callable[[int], float],
             t = seconds()
             if tokens / max(t, 1e-9) > top_tokens / max(top_seconds, 1e-9) + 1e-12:
                 top_tokens, top_seconds, top_m = tokens, t, m
-        lengths = [len(a) if c.fixed else 0 for a, c in zip(alphas, cands)]
+        lengths = list(base)
         for _, i in items[:top_m]:
             lengths[i] += 1
-        used = [u and L > 0 for u, L in zip(neural, lengths)]
-        plan = Plan(lengths, used, max((L for u, L in zip(used, lengths) if u), default=0),
-                    top_tokens, top_seconds)
+        plan = Plan(lengths, *drafting(lengths), top_tokens, top_seconds)
         if best is None or plan.rate > best.rate + 1e-12:
             best = plan
     return best  # type: ignore[return-value]

@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 
 from vllm_saguaro.core.controller import (Candidate, StepCost, choose_lengths, expected_tokens,
                                           plain_then_verify)
-from vllm_saguaro.core.fanout import AcceptanceFit
+from vllm_saguaro.core.fallback import MatchAcceptance
 
 # What a round of lookup drafts must be expected to gain over plain decoding, as a share,
 # to send anything.
@@ -93,8 +93,7 @@ class IdleLookup:
     accepted."""
 
     def __init__(self, advice: IdleLookupAdvice, margin: float = LOOKUP_ENTRY_MARGIN):
-        self.fits = {True: [AcceptanceFit(r) for r in advice.rates],
-                     False: [AcceptanceFit(r) for r in advice.sampled_rates]}
+        self.acceptance = MatchAcceptance(advice.rates, advice.sampled_rates)
         self.plain = StepCost(*advice.plain)
         self.verify = StepCost(*advice.plain)  # until measured: a step of that width
         self.margin = margin
@@ -112,7 +111,7 @@ class IdleLookup:
         made = self.sent.pop(rid, None)
         if made is not None and sampled:
             greedy, n, sent = made
-            self.fits[greedy][n].observe(min(len(sampled) - 1, sent), sent)
+            self.acceptance.observe(n, min(len(sampled) - 1, sent), sent, greedy)
 
     def lengths(self, rids: list[str], matches: list[int | None], greedy: list[bool],
                 cap: int) -> list[int]:
@@ -122,7 +121,8 @@ class IdleLookup:
         if self.forced:
             out = [0 if n is None else cap for n in matches]
         else:
-            rates = [None if n is None else self.fits[g][n].rate for n, g in zip(matches, greedy)]
+            rates = [None if n is None else self.acceptance.rate(n, g)
+                     for n, g in zip(matches, greedy)]
             out = lookup_lengths(rates, cap, self.plain.predict, self.verify.predict, self.margin)
         for rid, n, g, length in zip(rids, matches, greedy, out):
             if length:
