@@ -112,8 +112,8 @@ def test_saguaro_ssd_matches_exact(tiny_target, spec_base, name):
 
 def test_idle_lookup_drafts_match_exact(tiny_target, spec_base):
     """controller.force_idle_lookup: the draft idles, and every request after its first
-    token sends the proposer's own prompt lookup draft, verified with a one-hot q
-    (SaguaroProposer._lookup_probs): the second token is the verified one."""
+    token sends the proposer's own prompt lookup draft, verified without q, as drawn
+    one-hot (core/verification.py): the second token is the verified one."""
     exact = exact_two_token_distribution(tiny_target, PROMPT)
     metrics: dict = {}
     counts = sample_pairs(tiny_target, dict(spec_base, fallback="auto", controller={

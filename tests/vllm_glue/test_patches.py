@@ -471,8 +471,13 @@ def test_a_batch_without_drafts_skips_the_rejection_kernels_with_the_same_tokens
     patches.apply_all()
     if current_platform.is_cpu():  # the C++ kernels the engine's CPU worker registers
         current_platform.register_triton_kernel_overrides()
-    assert rs.rejection_sample.original is not None  # installed
-    original, patched = rs.rejection_sample.original, rs.rejection_sample
+    # the layers: patch_cpu_rejection_sample's, then this one's, then vLLM's
+    patched = getattr(rs.rejection_sample, "original", None)
+    if current_platform.is_cpu():
+        assert patched is not None and patched.__qualname__.startswith("rejection_sample_no_drafts")
+    else:
+        patched = rs.rejection_sample
+    original = patched.original
     batch, vocab = 5, 64
     temps = [temperature] * batch if temperature is not None else [0.0, 1.0, 0.0, 1.0, 1.0]
     gen = torch.Generator().manual_seed(3)
@@ -581,3 +586,61 @@ def test_only_a_step_without_drafts_or_logprobs_takes_the_plain_sampler():
     runner.input_batch.sampling_metadata = _sampling_metadata([0.0, 1.0], logprobs=2)
     sample(runner, None, none)
     assert seen == [None, some, None, none]
+
+
+def _spec_batch(drafts, temps, vocab=64, seed=3, seeded=()):
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    gen = torch.Generator().manual_seed(seed)
+    meta = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+    n = sum(len(d) for d in drafts)
+    logits = torch.randn(n, vocab, generator=gen) * 3
+    bonus = torch.randint(0, vocab, (len(drafts), 1), generator=gen)
+    probs = torch.softmax(torch.randn(n, vocab, generator=gen), -1)
+    return (meta.draft_token_ids, meta.num_draft_tokens, meta.max_spec_len,
+            meta.cu_num_draft_tokens, probs, logits, bonus, _sampling_metadata(temps, seeded))
+
+
+def test_cpu_rejection_sample_verifies_sampled_batches_itself_and_keeps_vllms_greedy_tokens(
+        monkeypatch):
+    """patch_cpu_rejection_sample: a batch with sampled requests goes through
+    core/verification.verify_drafts (whose distribution tests/core/test_verification.py
+    checks), in vLLM's output form, with vLLM's tokens for its greedy rows; a batch with
+    a seeded request, or only greedy ones, stays vLLM's, draw for draw."""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler as rs
+
+    from vllm_saguaro.core import verification
+
+    if not current_platform.is_cpu():
+        pytest.skip("the patch is for CPU platforms")
+    patches.apply_all()
+    current_platform.register_triton_kernel_overrides()
+    patched = rs.rejection_sample
+    assert patched.__qualname__.startswith("rejection_sample_on_cpu")
+    vllm_own = patched.original.original
+    calls = []
+    real = verification.verify_drafts
+    monkeypatch.setattr(verification, "verify_drafts",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    drafts = [[1, 2], [3], [4, 5, 6], [], [7, 8]]
+    temps = [0.0, 1.0, 0.0, 1.0, 1.0]
+    args = _spec_batch(drafts, temps)
+    got, want = patched(*args), vllm_own(*args)
+    assert calls and got.dtype == want.dtype and got.shape == want.shape
+    for row in (0, 2):  # greedy: the argmax run, exactly vLLM's
+        assert got[row].tolist() == want[row].tolist()
+    assert got[3].tolist() == want[3].tolist()  # no drafts: the bonus
+    for row in (1, 4):  # sampled: kept tokens then one more, then placeholders
+        kept = [t for t in got[row].tolist() if t != -1]
+        assert 1 <= len(kept) <= len(drafts[row]) + 1
+        assert kept[:-1] == drafts[row][:len(kept) - 1]
+    calls.clear()
+    for temps_now, seeded in (([0.0] * 5, ()), (temps, (1,))):
+        torch.manual_seed(0)
+        args = _spec_batch(drafts, temps_now, seeded=seeded)
+        got = patched(*args)
+        torch.manual_seed(0)
+        args = _spec_batch(drafts, temps_now, seeded=seeded)
+        assert torch.equal(got, vllm_own(*args))
+    assert not calls

@@ -373,6 +373,57 @@ def patch_sample_without_drafts() -> None:
     GPUModelRunner._sample = sample_without_drafts(GPUModelRunner._sample)
 
 
+def rejection_sample_on_cpu(original):
+    """vLLM's rejection_sample, on CPU by core/verification.verify_drafts wherever no
+    request with draft tokens has a seed of its own (whose draws keep vLLM's order),
+    some request samples, and neither vLLM's synthetic acceptance nor fp64 noise is
+    asked for; else vLLM's own."""
+    import torch
+
+    from vllm.v1.sample import rejection_sampler as rs
+    from vllm_saguaro.core import verification
+
+    def rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
+                         draft_probs, target_logits, bonus_token_ids, sampling_metadata,
+                         *args, synthetic_mode=False, use_fp64_gumbel=False, **kwargs):
+        seeded = any(num_draft_tokens[i] > 0 for i in sampling_metadata.generators)
+        if (args or synthetic_mode or use_fp64_gumbel or seeded or sampling_metadata.all_greedy
+                or target_logits.device.type != "cpu"):
+            return original(draft_token_ids, num_draft_tokens, max_spec_len,
+                            cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids,
+                            sampling_metadata, *args, synthetic_mode=synthetic_mode,
+                            use_fp64_gumbel=use_fp64_gumbel, **kwargs)
+        greedy = (None if sampling_metadata.all_random
+                  else sampling_metadata.temperature == rs.GREEDY_TEMPERATURE)
+        uniform = torch.rand(draft_token_ids.numel(), dtype=torch.float64)
+        return verification.verify_drafts(draft_token_ids, num_draft_tokens, draft_probs,
+                                          target_logits, bonus_token_ids, greedy, uniform,
+                                          rs.PLACEHOLDER_TOKEN_ID)
+
+    rejection_sample.original = original
+    return rejection_sample
+
+
+def patch_cpu_rejection_sample() -> None:
+    """Why: on CPU, vLLM 0.32's rejection sampler costs more than the speculation it
+    verifies at T > 0. It draws the recovered token at every draft position from an
+    exponential noise over the whole vocabulary per request (torch's exponential_: 3.7 ms
+    for 4 x 49152 on one of these cores) and keeps at most one per request. Traced in the
+    engine (batch 4, T = 1, the reference pair): 6-60 ms per verification, against ~1 ms
+    for plain decoding's sampler, so a verification of 12 lookup draft tokens cost a 33 ms
+    step another 17-30 ms. core/verification.py draws the recovered token only where it
+    is kept, the same distribution. Applies to every speculative method on CPU (vLLM's
+    own draft_model with the plugin installed as well); greedy-only batches, seeded
+    requests and GPUs keep vLLM's."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu() or not _once("cpu_rejection_sample"):
+        return
+    from vllm.v1.sample import rejection_sampler
+
+    rejection_sampler.rejection_sample = rejection_sample_on_cpu(rejection_sampler.rejection_sample)
+
+
 def is_saguaro_spec(speculative_config) -> bool:
     """The engine's speculative config is this plugin's (custom_class + our proposer)."""
     return (getattr(speculative_config, "method", None) == "custom_class"
@@ -828,6 +879,7 @@ def apply_all() -> None:
     patch_triton_dispatcher()
     patch_cpu_rejection_sampler_expand()
     patch_rejection_sample_no_drafts()
+    patch_cpu_rejection_sample()
     patch_sample_without_drafts()
     patch_logit_bias_and_min_p()
     patch_cpu_seeded_chunked_prefill()

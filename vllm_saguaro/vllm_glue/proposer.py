@@ -295,10 +295,12 @@ class SaguaroProposer:
             self._width = (decoding + sum(map(len, drafts))) if decoding == len(req_ids) else None
             self._drafted = self._looked_up = any(drafts)
             self.metrics.record_idle_round([len(d) for d, s in zip(drafts, sampled_token_ids) if s])
-            probs = self._lookup_probs(drafts, looked_up[1]) if self._drafted else None
             self._last_done = time.perf_counter()
             self.metrics.round_done(self._last_done)
-            return drafts, probs
+            # no q: a lookup draft is drawn from no distribution but itself, and the
+            # verifier takes a token without q as drawn one-hot (vLLM's ngram drafts; on
+            # CPU core/verification.py), so a sampled row's tokens are accepted with p
+            return drafts, None
         finished = finished | self._gone
         self._gone = set()
         if not self.supervisor.available():  # failed; a new worker may be starting
@@ -459,19 +461,6 @@ class SaguaroProposer:
             else:
                 made.append(ngram_match(token_ids_cpu[row, :int(num_tokens[row])].tolist(), cap))
         return made, greedy
-
-    def _lookup_probs(self, drafts, greedy: list[bool]) -> torch.Tensor | None:
-        """The q of a round of the idle's lookup drafts: None where every row is greedy
-        (verified by argmax), else one-hot on each row's drafted tokens, as for the
-        draft's greedy rows (_draft_probs): a lookup draft is drawn from no distribution
-        but itself, so a sampled row's tokens are accepted with the target's p."""
-        if all(g for g, d in zip(greedy, drafts) if d):
-            return None
-        probs = torch.zeros(len(drafts), self.cfg.num_speculative_tokens, self.vocab_size)
-        for row, tokens in enumerate(drafts):
-            if tokens:
-                probs[row, torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
-        return probs
 
     def _watch_lookup(self, sampled_token_ids, num_tokens, token_ids_cpu,
                       looked_up: list[FastDraft | None] | None = None) -> bool:
