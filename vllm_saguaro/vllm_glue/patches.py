@@ -410,9 +410,9 @@ def patch_cpu_rejection_sample() -> None:
     exponential noise over the whole vocabulary per request (torch's exponential_: 3.7 ms
     for 4 x 49152 on one of these cores) and keeps at most one per request. Traced in the
     engine (batch 4, T = 1, the reference pair): 6-60 ms per verification, against ~1 ms
-    for plain decoding's sampler, so a verification of 12 lookup draft tokens cost a 33 ms
-    step another 17-30 ms. core/verification.py draws the recovered token only where it
-    is kept, the same distribution. Applies to every speculative method on CPU (vLLM's
+    for plain decoding's sampler: a verification of 12 lookup draft tokens made a 33 ms
+    step 62-126 ms. core/verification.py draws the recovered token only where it is
+    kept, from the same distribution. Applies to every speculative method on CPU (vLLM's
     own draft_model with the plugin installed as well); greedy-only batches, seeded
     requests and GPUs keep vLLM's."""
     from vllm.platforms import current_platform
