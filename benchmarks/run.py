@@ -86,6 +86,14 @@ class System:
     def plugin(self) -> bool:
         return self.kind in ("sync_sd", "ssd")
 
+    @property
+    def may_borrow(self) -> bool:
+        """The draft's team may grow onto the target's core: SD on the lent cores is
+        among the controller's regimes (policy auto, regime not pinned to ssd). The
+        worker then measures its borrowed step at start (draft/worker.py), so a thread
+        bound to the target's core exists before any such round, parked between them."""
+        return self.plugin and self.controller is None and self.regime != "ssd"
+
     def env(self, pair: list[int], s: "Settings") -> dict[str, str | None]:
         """The engine's environment: vLLM's own binding for the plain-vLLM systems (one or
         both cores); none for the plugin's, which a user starts without one. The same
@@ -390,8 +398,10 @@ def run_group(llm, system: System, group: Group, prompts: list[str], s: Settings
     rounds = counters.get("plugin.rounds", 0) + counters.get("plugin.idle_rounds", 0)
     idle = counters.get("plugin.idle_rounds", 0) > 0 or (
         rounds > 0 and counters.get("plugin.plain_rounds", 0) == rounds)
+    # (a start with no round of SD on the lent cores was refused for the thread the
+    # worker's start-up measure binds to the target's core: System.may_borrow)
     check_placement(system, where, s.pair, draft_idle=idle,
-                    borrowed=after.get("plugin.lent_sd_rounds", 0) > 0)
+                    borrowed=system.may_borrow or after.get("plugin.lent_sd_rounds", 0) > 0)
     return {"system": system.name, "kind": system.kind, "k": system.k, "cores": system.cores,
             **asdict(group), "max_tokens": s.max_tokens, "n_requests": len(per_tok),
             "n_chunks": len(spans), "per_token_s": per_tok, "spans_s": spans,

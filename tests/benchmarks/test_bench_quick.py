@@ -196,6 +196,12 @@ def test_the_benchmark_refuses_threads_that_are_not_where_it_says():
     check_placement(ssd, borrowing, pair, borrowed=True)
     with pytest.raises(SystemExit, match="threads not where the benchmark says"):
         check_placement(ssd, borrowing, pair)  # no lent_sd round: not borrowed
+    # who may borrow (the benchmark passes borrowed for them from the start): the
+    # controller's auto regime only, not a pinned K, SSD's regime pinned, or plain vLLM
+    assert ssd.may_borrow and System("sync_sd", 3).may_borrow
+    assert not System("ssd", 3, controller="fixed").may_borrow
+    assert not System("ssd", 3, regime="ssd").may_borrow
+    assert not System("ar", cores=2).may_borrow and not System("vllm_sd", 1).may_borrow
     with pytest.raises(SystemExit, match="threads not where the benchmark says"):
         check_placement(ssd, _where([_t([0])], [_t([0, 1])]), pair, borrowed=True)  # roaming
     bad = [
