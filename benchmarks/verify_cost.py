@@ -15,20 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 
+from benchmarks.ops_timing import _median_ms
 
-def timed(fn, reps: int = 30) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+REPEATS = 30  # timed calls per version and shape, after one warm-up call
 
 
 def sampling_metadata(batch: int):
@@ -77,8 +69,8 @@ def main() -> None:
                      if q_kind == "dense" else None)
                 call = (meta.draft_token_ids, meta.num_draft_tokens, meta.max_spec_len,
                         meta.cu_num_draft_tokens, q, logits, bonus, sampling_metadata(batch))
-                theirs = timed(lambda: vllm_own(*call))
-                ours = timed(lambda: plugin(*call))
+                theirs = _median_ms(lambda: vllm_own(*call), REPEATS)
+                ours = _median_ms(lambda: plugin(*call), REPEATS)
                 rows.append(dict(batch=batch, k=k, q=q_kind, vllm_ms=theirs, plugin_ms=ours))
                 print(f"| {batch} | {k} | {q_kind} | {theirs:.2f} | {ours:.2f} | "
                       f"{theirs / ours:.1f}x |", flush=True)

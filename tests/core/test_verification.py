@@ -34,11 +34,15 @@ def first_tokens(n: int, q: torch.Tensor | None, drafts: int = 2, seed: int = 0)
     return out[:, 0]
 
 
-def assert_distributed_as(tokens: torch.Tensor, p: torch.Tensor, label: str):
+def chi_square(tokens: torch.Tensor, p: torch.Tensor):
+    """(statistic, dof, p-value) of the tokens' counts against the distribution p [V]."""
     counts = {(int(t), 0): int(c) for t, c in enumerate(torch.bincount(tokens, minlength=V))}
-    stat, dof, pv = chi_square_pvalue(counts, p[:, None].double(), len(tokens))
+    return chi_square_pvalue(counts, p[:, None].double(), len(tokens))
+
+
+def assert_distributed_as(tokens: torch.Tensor, p: torch.Tensor, label: str):
+    stat, dof, pv = chi_square(tokens, p)
     assert pv > ALPHA, f"{label}: chi2={stat:.1f} dof={dof} p={pv:.3g}"
-    return pv
 
 
 @pytest.mark.parametrize("q", [Q0, None], ids=["drawn_from_q", "one_hot_lookup"])
@@ -52,9 +56,7 @@ def test_a_recovered_token_drawn_from_p_instead_of_the_residual_is_caught(monkey
     monkeypatch.setattr(verification, "recovered_tokens",
                         lambda probs, q, drafted, generator=None, rows=None:
                         real(probs, torch.zeros_like(probs), drafted, generator, rows))
-    tokens = first_tokens(40000, Q0)
-    counts = {(int(t), 0): int(c) for t, c in enumerate(torch.bincount(tokens, minlength=V))}
-    assert chi_square_pvalue(counts, P0[:, None].double(), len(tokens))[2] < ALPHA
+    assert chi_square(first_tokens(40000, Q0), P0)[2] < ALPHA
 
 
 def test_recovered_tokens_follow_the_residual_and_never_the_drafted_one_hot():
