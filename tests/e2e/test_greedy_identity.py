@@ -148,10 +148,23 @@ def test_greedy_identical_with_sd_on_the_lent_cores(tiny_target, spec_base, refe
     try:
         got = run_all(llm, stop_params)
         report = engine_report(llm)
+        # paused (SaguaroProposer.pause, the worker RPC): plain decoding, no draft round
+        assert llm.collective_rpc("saguaro_pause", args=(True,)) == [True]
+        got["paused"] = [o.outputs[0].token_ids
+                         for o in llm.generate(make_prompts(4, 4), make_params(4, 4))]
+        paused = engine_report(llm)["metrics"]
+        llm.collective_rpc("saguaro_pause", args=(False,))
+        got["resumed"] = [o.outputs[0].token_ids
+                          for o in llm.generate(make_prompts(4, 4), make_params(4, 4))]
+        resumed = engine_report(llm)["metrics"]
     finally:
         release(llm)
     for key in ref:
         assert got[key] == ref[key], f"lent_sd: output differs for case {key}"
+    assert got["paused"] == ref[4] and got["resumed"] == ref[4]
+    m = report["metrics"]
+    assert paused["rounds"] == m["rounds"] and paused["idle_rounds"] > m["idle_rounds"], (m, paused)
+    assert resumed["rounds"] > paused["rounds"], (paused, resumed)
     m, d = report["metrics"], report["draft"]
     assert m["lent_sd_rounds"] > 0 and d["lent_sd_steps"] > 0, (m, d)
     assert all(n > 0 for n in m["sent"][:4]), m["sent"]

@@ -28,6 +28,7 @@ def idle_proposer(limit):
     p.lent_sd = False
     p._wake_share, p._lookup, p._lookup_woke = None, None, float("-inf")
     p._idle_lookup, p._looked_up = None, False
+    p.paused = False
     p.cfg = SimpleNamespace(num_speculative_tokens=3)
     p.vocab_size = 16
     return p
@@ -468,3 +469,38 @@ def test_an_idle_sends_its_own_lookup_drafts_where_they_pay():
     p.idle_above = 1
     assert not p._idle(ids(1), 1, set())       # the batch shrank: the idle ends
     assert p._idle_lookup is None
+
+
+def test_paused_rounds_send_nothing_lend_the_cores_and_resume_calling_the_draft():
+    """pause(): every round plain (no draft call, no lookup drafts even where an idle
+    had them), the cores lent once no pre-speculation runs; finished requests kept for
+    the draft's next call. Resumed, the draft is called again (a batch it holds)."""
+    import torch
+
+    code = [1, 2, 3, 4] * 5
+    tokens = torch.tensor([code, code])
+    p = idle_proposer(0)  # an idle with lookup drafts that would be sent
+    rates = (0.02, 0.15, 0.35, 0.8)
+    p._idle_lookup = IdleLookup(IdleLookupAdvice(rates, rates, (0.036, 0.001)))
+    p.supervisor = _Supervisor()
+    p.lending, p.pending = _Lending(), object()
+    p.supervisor.ready = lambda ref: False  # a pre-speculation still running
+    p.pause()
+    greedy = lambda rid: SamplingSpec()  # noqa: E731
+    drafts, probs = p.propose_round(["a", "b"], [20, 20], tokens, [[4], [4]], {"x"}, greedy)
+    assert drafts == [[], []] and probs is None and not p.lending.lent
+    assert p._gone == {"x"} and p.metrics.idle_lookup_rounds == 0
+    p.supervisor.ready = lambda ref: True
+    p.idle_above = None  # no idle of the controller's either: paused all the same
+    drafts, _ = p.propose_round(["a", "b"], [20, 20], tokens, [[4], [4]], set(), greedy)
+    assert drafts == [[], []] and p.lending.lent and p.metrics.idle_rounds == 2
+
+    p = idle_proposer(None)
+    p.mirror = {"a": object()}
+    p.pause()
+    drafts, _ = p.propose_round(["a"], [5], torch.zeros(1, 5, dtype=torch.long), [[5]],
+                                set(), None)
+    assert drafts == [[]]
+    p.pause(False)
+    with pytest.raises(AssertionError, match="the draft was called"):
+        p.propose_round(["a"], [6], torch.zeros(1, 6, dtype=torch.long), [[6]], set(), None)

@@ -855,7 +855,9 @@ def patch_forward_timer() -> None:
 def patch_worker_rpc() -> None:
     """Why: with a multiprocess engine the proposer lives in the worker process, out of the
     user's reach; ``LLM.collective_rpc("saguaro_stats")`` reads SSD's figures and where
-    the target's and the draft's threads run (vllm_glue/offline.py)."""
+    the target's and the draft's threads run (vllm_glue/offline.py), and
+    ``LLM.collective_rpc("saguaro_pause", args=(True,))`` turns speculation off until
+    called with False (SaguaroProposer.pause; it answers whether a proposer was there)."""
     from vllm.v1.worker.gpu_worker import Worker
 
     if not _once("worker_rpc"):
@@ -868,7 +870,17 @@ def patch_worker_rpc() -> None:
         drafter = getattr(runner, "drafter", None)
         return worker_report(drafter if isinstance(drafter, SaguaroProposer) else None, runner)
 
+    def saguaro_pause(self, paused: bool = True) -> bool:
+        from vllm_saguaro.vllm_glue.proposer import SaguaroProposer
+
+        drafter = getattr(getattr(self, "model_runner", None), "drafter", None)
+        if isinstance(drafter, SaguaroProposer):
+            drafter.pause(paused)
+            return True
+        return False
+
     Worker.saguaro_stats = saguaro_stats
+    Worker.saguaro_pause = saguaro_pause
 
 
 def apply_all() -> None:

@@ -183,6 +183,7 @@ class SaguaroProposer:
         self.lent_sd = False
         self.channel = None  # TensorChannel for q (transport 'channel'), rank 0
         self.channel_backend = channel_backend(self.cfg, self.target_device)
+        self.paused = False  # pause(): plain decoding, the draft idle, until resumed
 
     # vLLM calls this once the target is loaded; the draft starts then, on its own device.
     def load_model(self, target_model=None) -> None:
@@ -239,6 +240,18 @@ class SaguaroProposer:
     def actor(self):
         """The draft worker's handle now (None while it is down)."""
         return self.supervisor.actor if self.supervisor is not None else None
+
+    def pause(self, paused: bool = True) -> None:
+        """Speculation off (paused) or back on, from the next step, without a restart.
+        Paused, every round sends nothing and the draft idles with its cores lent, as in
+        an idle the controller chose, but with no prompt lookup drafts and no recheck:
+        plain decoding under the plugin. Resumed, the controller decides again and the
+        draft re-prefills what the batch holds, as after any idle. For an operator
+        (``LLM.collective_rpc("saguaro_pause", args=(True,))``) and for measuring
+        speculation against plain decoding within one engine start
+        (benchmarks/paired.py): on these CPUs one start's speed differs from the next
+        by ~5% (up to 25%), more than the differences to be measured."""
+        self.paused = paused
 
     def propose(self, *args, **kwargs):
         raise RuntimeError("vllm-saguaro's runner patch is not active: was the plugin loaded?")
@@ -446,7 +459,7 @@ class SaguaroProposer:
         whether its request is greedy. ~0.03 ms a row at 2k tokens. None: no lookup this
         idle."""
         look = self._idle_lookup
-        if look is None or self.idle_above is None or cap <= 0:
+        if look is None or self.idle_above is None or cap <= 0 or self.paused:
             return None
         if step is not None:
             look.observe_step(step[0], step[1], step[3])
@@ -497,7 +510,12 @@ class SaguaroProposer:
         next step. Measured before: the draft woke for the first request of each
         benchmark batch, and the other 15 prompts' prefill (1342 tokens) took 4.2 s on
         the target's core alone, 1.98-2.85 s on both. A lone request loses one round of
-        speculation."""
+        speculation. Paused (pause()), every round is idle, and the cores are lent as
+        soon as no pre-speculation runs on them."""
+        if self.paused:
+            self._gone |= finished
+            self._lend_while_quiet()
+            return True
         if arriving and self._lend_while_quiet():
             self._gone |= finished
             return True

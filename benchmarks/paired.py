@@ -1,0 +1,288 @@
+"""SSD against plain decoding within one engine start (issue 19), pair by pair.
+
+Usage:
+    python -m benchmarks.paired [--batches 1,4,16] [--temperatures 0,1] [--repeats N]
+        [--prompts-per-set 8] [--max-tokens 64] [--vllm-starts 1] [--out DIR]
+
+Why: on these CPUs one engine start's decode speed differs from the next by ~5% (the
+median coefficient of variation of plain vLLM's starts over 14 cells), up to 25%. A grid
+of two starts per system (benchmarks/run.py) cannot tell a cell at 0.93x from one at
+1.0x; ~22 starts per system and cell would be needed. Here the plugin's engine (SSD,
+its defaults) runs every chunk of prompts twice: once paused (SaguaroProposer.pause,
+through the worker RPC: plain decoding under the plugin, the draft idle with its cores
+lent, no lookup drafts) and once as configured. The order alternates pair by pair
+(paused first, then SSD first, ...), so the start's own speed and the drift through
+the run cancel in each pair's ratio.
+
+SSD against plain vLLM is then the product of two factors, reported apart:
+- SSD / paused, within the start: what speculation (the controller's choices) gives
+  over plain decoding under the plugin, with a 90% interval over the pairs;
+- paused / plain vLLM on two cores (vLLM's own binding, a start of its own per block,
+  `--vllm-starts`, running the same chunks): the plugin's own cost when it speculates
+  nothing, across starts as any baseline must be, so as noisy as the grid's cells.
+
+What the pairing changes: the controller's idle timers run on through the paused
+chunks (an idle's 30 s recheck comes sooner by their time), and what it measured
+of the last chunk may have expired (kept 30 s). vLLM's prefix cache serves the
+second run of a chunk's prompts; the alternation gives both sides as many first runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.run import (ENV, Settings, System, chunks, decode_times, diff, environment,
+                            load_prompts, log, make_engine, resolve_models, resolve_preload,
+                            snapshot)
+from vllm_saguaro.vllm_glue.offline import shutdown
+from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
+
+# Student's t at 0.95 (a two-sided 90% interval) by degrees of freedom; 1.645 beyond
+T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860,
+       9: 1.833, 10: 1.812, 12: 1.782, 15: 1.753, 20: 1.725, 30: 1.697}
+
+
+def t90(df: int) -> float:
+    """Student's t for a two-sided 90% interval (the table's entry at or below df)."""
+    if df > 30:
+        return 1.645
+    return T90[max(d for d in T90 if d <= df)]
+
+
+def ratio_interval(ratios: list[float]) -> dict:
+    """The pairs' ratios summarised on the log scale (a ratio and its inverse weigh
+    alike): geometric mean, median, and a 90% t-interval of the geometric mean (None
+    with fewer than two pairs)."""
+    logs = [math.log(r) for r in ratios]
+    out = {"n": len(ratios), "geomean": math.exp(statistics.fmean(logs)),
+           "median": statistics.median(ratios), "low": None, "high": None}
+    if len(logs) >= 2:
+        half = t90(len(logs) - 1) * statistics.stdev(logs) / math.sqrt(len(logs))
+        out["low"] = math.exp(statistics.fmean(logs) - half)
+        out["high"] = math.exp(statistics.fmean(logs) + half)
+    return out
+
+
+def pair_order(i: int) -> tuple[bool, bool]:
+    """Whether each run of pair i is paused: paused first in even pairs, SSD first in
+    odd ones, so neither side always runs first (a chunk's first run prefills cold)."""
+    return (True, False) if i % 2 == 0 else (False, True)
+
+
+def set_paused(llm, paused: bool) -> None:
+    if llm.collective_rpc("saguaro_pause", args=(paused,)) != [True]:
+        raise SystemExit("the engine has no Saguaro proposer to pause")
+
+
+def run_chunk(llm, chunk: list[str], sp, max_tokens: int) -> dict:
+    before, _ = snapshot(llm)
+    outs = llm.generate(chunk, sp, use_tqdm=False)
+    after, _ = snapshot(llm)
+    assert all(len(o.outputs[0].token_ids) == max_tokens for o in outs)
+    _, span = decode_times(outs, max_tokens)
+    return {"span_s": span, "tok_s": len(chunk) * (max_tokens - 1) / span,
+            "counters": diff(after, before)}
+
+
+def controller_did(counters: list[dict]) -> dict:
+    """What SSD's runs did, summed: the share of rounds the draft idled, of SD on the
+    lent cores, of the idle's own lookup drafts, and the draft tokens sent per row."""
+    c = {k: sum(x.get(k, 0) for x in counters) for k in counters[0]} if counters else {}
+    rounds = c.get("plugin.rounds", 0) + c.get("plugin.idle_rounds", 0)
+    sent = [c.get(f"plugin.sent_{n}", 0) for n in range(8)]
+    rows = sum(sent)
+    share = lambda k: c.get(k, 0) / rounds if rounds else None  # noqa: E731
+    return {"rounds": rounds, "idle_share": share("plugin.idle_rounds"),
+            "lent_sd_share": share("plugin.lent_sd_rounds"),
+            "idle_lookup_share": share("plugin.idle_lookup_rounds"),
+            "tokens_per_row": sum(n * x for n, x in enumerate(sent)) / rows if rows else None}
+
+
+def run_plugin_block(system: System, groups: list[tuple], prompts, target, draft,
+                     s: Settings, repeats: int) -> list[dict]:
+    """One engine start of `system`: every group's chunks, each run paused and as
+    configured (pair_order)."""
+    from vllm import SamplingParams
+
+    with environment(system.env(s.pair, s)):
+        llm = make_engine(target, system.spec(draft, s), s)
+    try:
+        warm = next(iter(prompts.values()))[:1]
+        llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)
+        out = []
+        for dataset, temperature, batch in groups:
+            sp = SamplingParams(temperature=temperature, max_tokens=s.max_tokens, ignore_eos=True)
+            rec = {"dataset": dataset, "temperature": temperature, "batch": batch,
+                   "paused": [], "ssd": []}
+            for i, chunk in enumerate(chunks(prompts[dataset], batch) * repeats):
+                for paused in pair_order(i):
+                    set_paused(llm, paused)
+                    rec["paused" if paused else "ssd"].append(run_chunk(llm, chunk, sp, s.max_tokens))
+            set_paused(llm, False)
+            summarize_pairs(rec)
+            log(f"  {dataset} T={temperature:g} b={batch}: SSD / paused "
+                f"{rec['ratio']['geomean']:.3f} (90% {_f(rec['ratio']['low'])}-"
+                f"{_f(rec['ratio']['high'])}, {rec['ratio']['n']} pairs), idle "
+                f"{_f(rec['did']['idle_share'])}")
+            out.append(rec)
+        return out
+    finally:
+        shutdown(llm)
+
+
+def run_vllm_block(system: System, groups: list[tuple], prompts, target, s: Settings,
+                   repeats: int) -> list[dict]:
+    """One engine start of plain vLLM: every group's chunks as many times as the
+    plugin's block runs each side."""
+    from vllm import SamplingParams
+
+    with environment(system.env(s.pair, s)):
+        llm = make_engine(target, None, s)
+    try:
+        warm = next(iter(prompts.values()))[:1]
+        llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)
+        out = []
+        for dataset, temperature, batch in groups:
+            sp = SamplingParams(temperature=temperature, max_tokens=s.max_tokens, ignore_eos=True)
+            runs = [run_chunk(llm, c, sp, s.max_tokens)
+                    for c in chunks(prompts[dataset], batch) * repeats]
+            out.append({"dataset": dataset, "temperature": temperature, "batch": batch,
+                        "tok_s": [r["tok_s"] for r in runs]})
+        return out
+    finally:
+        shutdown(llm)
+
+
+def summarize_pairs(rec: dict) -> None:
+    rec["ratio"] = ratio_interval([a["span_s"] / b["span_s"]
+                                   for a, b in zip(rec["paused"], rec["ssd"])])
+    rec["paused_tok_s"] = statistics.median(r["tok_s"] for r in rec["paused"])
+    rec["ssd_tok_s"] = statistics.median(r["tok_s"] for r in rec["ssd"])
+    rec["did"] = controller_did([r["counters"] for r in rec["ssd"]])
+
+
+def combine(plugin: list[dict], vllm: list[dict]) -> list[dict]:
+    """One row per cell: SSD / paused within the start, paused / plain vLLM across
+    starts (medians of the chunks' tok/s), and their product."""
+    rows = []
+    for rec in plugin:
+        key = (rec["dataset"], rec["temperature"], rec["batch"])
+        theirs = [t for v in vllm if (v["dataset"], v["temperature"], v["batch"]) == key
+                  for t in v["tok_s"]]
+        vllm_tok_s = statistics.median(theirs) if theirs else None
+        paused_vs = rec["paused_tok_s"] / vllm_tok_s if vllm_tok_s else None
+        rows.append({**{k: rec[k] for k in ("dataset", "temperature", "batch", "ratio",
+                                             "paused_tok_s", "ssd_tok_s", "did")},
+                     "vllm_tok_s": vllm_tok_s, "paused_vs_vllm": paused_vs,
+                     "ssd_vs_vllm": paused_vs * rec["ratio"]["geomean"] if paused_vs else None})
+    return rows
+
+
+def _f(x, fmt=".2f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown(result: dict) -> str:
+    m = result["meta"]
+    lines = [f"# SSD against plain decoding, paired within one engine start ({m['started']})",
+             "", f"`{m['command']}`", "",
+             f"{m['prompts_per_set']} prompts per set, {m['max_tokens']} tokens, "
+             f"{m['repeats']} pass(es) over each set, {m['vllm_starts']} plain vLLM start(s) "
+             "per block. SSD / paused: geometric mean over the pairs, with its 90% interval "
+             "(within the start). Paused / vLLM: medians of the chunks' tok/s, across starts.",
+             "", "| set | T | b | pairs | SSD / paused | 90% | paused tok/s | SSD tok/s | "
+                 "vLLM 2c tok/s | paused / vLLM | SSD / vLLM | idle | lent SD | idle lookup | "
+                 "tokens / row |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        q, d = r["ratio"], r["did"]
+        lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {q['n']} | "
+                     f"{q['geomean']:.3f} | {_f(q['low'], '.3f')}-{_f(q['high'], '.3f')} | "
+                     f"{r['paused_tok_s']:.1f} | {r['ssd_tok_s']:.1f} | {_f(r['vllm_tok_s'], '.1f')} | "
+                     f"{_f(r['paused_vs_vllm'], '.3f')} | {_f(r['ssd_vs_vllm'], '.3f')} | "
+                     f"{_f(d['idle_share'])} | {_f(d['lent_sd_share'])} | "
+                     f"{_f(d['idle_lookup_share'])} | {_f(d['tokens_per_row'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m benchmarks.paired",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--batches", default="1,4,16")
+    p.add_argument("--temperatures", default="0,1")
+    p.add_argument("--prompts-per-set", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=None,
+                   help="passes over each set (default: enough for 6 pairs a cell)")
+    p.add_argument("--k", type=int, default=3)
+    p.add_argument("--vllm-starts", type=int, default=1,
+                   help="plain vLLM (2 cores) starts per block, after the plugin's (0: none)")
+    p.add_argument("--out", default="benchmarks/results/paired")
+    p.add_argument("--log-file", help="vLLM's own log (default: vllm.log in --out)")
+    p.add_argument("--target"), p.add_argument("--draft")
+    p.add_argument("--prompts-file", help="JSON lines {set, prompt, chat} instead of the PyPI sets")
+    p.add_argument("--ld-preload", default="docs", help="as benchmarks.run's")
+    args = p.parse_args(argv)
+    if args.max_tokens < 2:
+        p.error("--max-tokens must be >= 2 (decode time is first to last token)")
+    if args.repeats is not None and args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict:
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"  # as a user starts it
+    args = parse_args(argv)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) != 2:
+        raise SystemExit(f"needs exactly 2 cores (target + draft), this process has {cores}")
+    batches = [int(x) for x in args.batches.split(",")]
+    temps = [float(x) for x in args.temperatures.split(",")]
+    s = Settings("paired", args.max_tokens, batches, temps, [args.k], 8, args.prompts_per_set,
+                 pair=cores, ld_preload=resolve_preload(args.ld_preload))
+    if not args.draft:
+        from benchmarks.reference_pair import HEAD_TOKENS
+
+        s.head_tokens = HEAD_TOKENS
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    send_vllm_logs_to(str(Path(args.log_file) if args.log_file else out / "vllm.log"))
+    target, draft = resolve_models(args)
+    prompts = load_prompts(args, target, s)
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    ssd, ar = System("ssd", args.k), System("ar", cores=2)
+    plugin, vllm = [], []
+    for b in batches:
+        per_set = min(len(v) for v in prompts.values())
+        repeats = args.repeats or max(1, math.ceil(6 / max(1, math.ceil(per_set / b))))
+        groups = [(d, t, b) for t in temps for d in prompts]
+        log(f"b={b}: {ssd.name}, {repeats} pass(es), paired")
+        plugin += run_plugin_block(ssd, groups, prompts, target, draft, s, repeats)
+        for i in range(args.vllm_starts):
+            log(f"b={b}: plain vLLM 2c, start {i + 1}/{args.vllm_starts}")
+            vllm += run_vllm_block(ar, groups, prompts, target, s, repeats)
+    result = {"meta": {"started": started, "command": "python -m benchmarks.paired "
+                       + " ".join(argv if argv is not None else sys.argv[1:]),
+                       "target": target, "draft": draft, "cores": cores,
+                       "max_tokens": args.max_tokens, "prompts_per_set": args.prompts_per_set,
+                       "repeats": args.repeats or "6 pairs", "vllm_starts": args.vllm_starts},
+              "plugin": plugin, "vllm": vllm, "rows": combine(plugin, vllm)}
+    (out / "latest.json").write_text(json.dumps(result, indent=1))
+    md = markdown(result)
+    (out / "latest.md").write_text(md)
+    print(md)
+    return result
+
+
+if __name__ == "__main__":
+    main()
