@@ -38,8 +38,8 @@ import time
 from pathlib import Path
 
 from benchmarks.run import (ENV, Settings, System, chunks, decode_times, diff, environment,
-                            load_prompts, log, make_engine, resolve_models, resolve_preload,
-                            snapshot)
+                            load_prompts, log, make_engine, plan_systems, resolve_models,
+                            resolve_preload, snapshot)
 from vllm_saguaro.vllm_glue.offline import shutdown
 from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
 
@@ -119,15 +119,15 @@ def run_plugin_block(system: System, groups: list[tuple], prompts, target, draft
         out = []
         for dataset, temperature, batch in groups:
             sp = SamplingParams(temperature=temperature, max_tokens=s.max_tokens, ignore_eos=True)
-            rec = {"dataset": dataset, "temperature": temperature, "batch": batch,
-                   "paused": [], "ssd": []}
+            rec = {"system": system.name, "dataset": dataset, "temperature": temperature,
+                   "batch": batch, "paused": [], "ssd": []}
             for i, chunk in enumerate(chunks(prompts[dataset], batch) * repeats):
                 for paused in pair_order(i):
                     set_paused(llm, paused)
                     rec["paused" if paused else "ssd"].append(run_chunk(llm, chunk, sp, s.max_tokens))
             set_paused(llm, False)
             summarize_pairs(rec)
-            log(f"  {dataset} T={temperature:g} b={batch}: SSD / paused "
+            log(f"  {system.name} {dataset} T={temperature:g} b={batch}: SSD / paused "
                 f"{rec['ratio']['geomean']:.3f} (90% {_f(rec['ratio']['low'])}-"
                 f"{_f(rec['ratio']['high'])}, {rec['ratio']['n']} pairs), idle "
                 f"{_f(rec['did']['idle_share'])}")
@@ -170,7 +170,7 @@ def summarize_pairs(rec: dict) -> None:
 
 
 def combine(plugin: list[dict], vllm: list[dict]) -> list[dict]:
-    """One row per cell: SSD / paused within the start, paused / plain vLLM across
+    """One row per system and cell: SSD / paused within the start, paused / plain vLLM across
     starts (medians of the chunks' tok/s), and their product."""
     rows = []
     for rec in plugin:
@@ -179,7 +179,7 @@ def combine(plugin: list[dict], vllm: list[dict]) -> list[dict]:
                   for t in v["tok_s"]]
         vllm_tok_s = statistics.median(theirs) if theirs else None
         paused_vs = rec["paused_tok_s"] / vllm_tok_s if vllm_tok_s else None
-        rows.append({**{k: rec[k] for k in ("dataset", "temperature", "batch", "ratio",
+        rows.append({**{k: rec[k] for k in ("system", "dataset", "temperature", "batch", "ratio",
                                              "paused_tok_s", "ssd_tok_s", "did")},
                      "vllm_tok_s": vllm_tok_s, "paused_vs_vllm": paused_vs,
                      "ssd_vs_vllm": paused_vs * rec["ratio"]["geomean"] if paused_vs else None})
@@ -195,16 +195,17 @@ def markdown(result: dict) -> str:
     lines = [f"# SSD against plain decoding, paired within one engine start ({m['started']})",
              "", f"`{m['command']}`", "",
              f"{m['prompts_per_set']} prompts per set, {m['max_tokens']} tokens, "
-             f"{m['repeats']} pass(es) over each set, {m['vllm_starts']} plain vLLM start(s) "
+             f"passes over each set: {m['repeats']}; {m['vllm_starts']} plain vLLM start(s) "
              "per block. SSD / paused: geometric mean over the pairs, with its 90% interval "
              "(within the start). Paused / vLLM: medians of the chunks' tok/s, across starts.",
-             "", "| set | T | b | pairs | SSD / paused | 90% | paused tok/s | SSD tok/s | "
-                 "vLLM 2c tok/s | paused / vLLM | SSD / vLLM | idle | lent SD | idle lookup | "
-                 "tokens / row |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "", "| system | set | T | b | pairs | SSD / paused | 90% | paused tok/s | "
+                 "SSD tok/s | vLLM 2c tok/s | paused / vLLM | SSD / vLLM | idle | lent SD | "
+                 "idle lookup | tokens / row |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         q, d = r["ratio"], r["did"]
-        lines.append(f"| {r['dataset']} | {r['temperature']:g} | {r['batch']} | {q['n']} | "
+        lines.append(f"| {r['system']} | {r['dataset']} | {r['temperature']:g} | {r['batch']} | "
+                     f"{q['n']} | "
                      f"{q['geomean']:.3f} | {_f(q['low'], '.3f')}-{_f(q['high'], '.3f')} | "
                      f"{r['paused_tok_s']:.1f} | {r['ssd_tok_s']:.1f} | {_f(r['vllm_tok_s'], '.1f')} | "
                      f"{_f(r['paused_vs_vllm'], '.3f')} | {_f(r['ssd_vs_vllm'], '.3f')} | "
@@ -223,6 +224,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=None,
                    help="passes over each set (default: enough for 6 pairs a cell)")
     p.add_argument("--k", type=int, default=3)
+    p.add_argument("--systems", default=None, help="comma list of the plugin's SSD systems "
+                   "(benchmarks.run's names, e.g. SSD-K3,SSD-K3-nolookup; default SSD-K<k>), "
+                   "each a start of its own per block, in turn")
     p.add_argument("--vllm-starts", type=int, default=1,
                    help="plain vLLM (2 cores) starts per block, after the plugin's (0: none)")
     p.add_argument("--out", default="benchmarks/results/paired")
@@ -260,14 +264,20 @@ def main(argv=None) -> dict:
     target, draft = resolve_models(args)
     prompts = load_prompts(args, target, s)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    ssd, ar = System("ssd", args.k), System("ar", cores=2)
+    ar = System("ar", cores=2)
+    names = (args.systems or f"SSD-K{args.k}").split(",")
+    known = {x.name: x for x in plan_systems(s) if x.kind == "ssd"}
+    if set(names) - set(known):
+        raise SystemExit(f"unknown SSD systems {sorted(set(names) - set(known))}; "
+                         f"with K={args.k}: {', '.join(known)}")
     plugin, vllm = [], []
     for b in batches:
         per_set = min(len(v) for v in prompts.values())
         repeats = args.repeats or max(1, math.ceil(6 / max(1, math.ceil(per_set / b))))
         groups = [(d, t, b) for t in temps for d in prompts]
-        log(f"b={b}: {ssd.name}, {repeats} pass(es), paired")
-        plugin += run_plugin_block(ssd, groups, prompts, target, draft, s, repeats)
+        for name in names:
+            log(f"b={b}: {name}, {repeats} pass(es), paired")
+            plugin += run_plugin_block(known[name], groups, prompts, target, draft, s, repeats)
         for i in range(args.vllm_starts):
             log(f"b={b}: plain vLLM 2c, start {i + 1}/{args.vllm_starts}")
             vllm += run_vllm_block(ar, groups, prompts, target, s, repeats)
@@ -275,7 +285,8 @@ def main(argv=None) -> dict:
                        + " ".join(argv if argv is not None else sys.argv[1:]),
                        "target": target, "draft": draft, "cores": cores,
                        "max_tokens": args.max_tokens, "prompts_per_set": args.prompts_per_set,
-                       "repeats": args.repeats or "6 pairs", "vllm_starts": args.vllm_starts},
+                       "repeats": args.repeats or "enough for 6 pairs",
+                       "vllm_starts": args.vllm_starts, "systems": names},
               "plugin": plugin, "vllm": vllm, "rows": combine(plugin, vllm)}
     (out / "latest.json").write_text(json.dumps(result, indent=1))
     md = markdown(result)

@@ -34,7 +34,7 @@ def _run(span, rounds=0, idle=0, sent=()):
 
 
 def test_a_cell_combines_the_pairs_with_plain_vllms_chunks():
-    rec = {"dataset": "humaneval", "temperature": 0.0, "batch": 1,
+    rec = {"system": "SSD-K3", "dataset": "humaneval", "temperature": 0.0, "batch": 1,
            "paused": [_run(2.0, idle=60, sent=(60,)), _run(2.2, idle=60, sent=(60,))],
            "ssd": [_run(1.6, rounds=40, sent=(10, 10, 10, 10)), _run(2.2, idle=60, sent=(60,))]}
     paired.summarize_pairs(rec)
@@ -52,4 +52,4 @@ def test_a_cell_combines_the_pairs_with_plain_vllms_chunks():
     md = paired.markdown({"meta": {"started": "t", "command": "c", "prompts_per_set": 8,
                                    "max_tokens": 64, "repeats": 1, "vllm_starts": 1},
                           "rows": [row]})
-    assert f"| humaneval | 0 | 1 | 2 | {rec['ratio']['geomean']:.3f} |" in md
+    assert f"| SSD-K3 | humaneval | 0 | 1 | 2 | {rec['ratio']['geomean']:.3f} |" in md
