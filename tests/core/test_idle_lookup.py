@@ -92,6 +92,34 @@ def test_an_idle_lookup_learns_its_rates_and_lines_from_its_rounds():
     assert look.lengths(rids, [3, 0], greedy, 3) == [0, 0]
 
 
+def test_the_next_idle_goes_on_from_what_the_last_one_measured():
+    """A new idle (the draft's advice again) keeps the last idle's verification line and
+    its judged lookup tokens, under the advice's rates as the prior: an idle that learnt
+    its drafts do not pay does not send them again from the draft's rates. Without a
+    verification measured, the new advice's line stands."""
+    advice = IdleLookupAdvice(RATES, RATES, (0.036, 0.001))
+    rids, greedy = ["a", "b"], [True, True]
+    first = IdleLookup(advice)
+    for _ in range(60):  # verifications as dear as two plain steps
+        first.observe_step(2, 0.036, False)
+        first.observe_step(5, 0.075, True)
+    assert first.lengths(rids, [3, 0], greedy, 3) == [0, 0]
+    fresh, goes_on = IdleLookup(advice), IdleLookup(advice, before=first)
+    assert fresh.lengths(rids, [3, 0], greedy, 3) == [3, 0]  # the guess sends
+    assert goes_on.lengths(rids, [3, 0], greedy, 3) == [0, 0]
+    assert goes_on.verify is first.verify and goes_on.verified == 60
+    assert goes_on.plain.predict(4) == pytest.approx(fresh.plain.predict(4))  # the advice's
+
+    rejected = IdleLookup(advice)
+    for _ in range(20):  # every draft rejected at its first token
+        rejected.lengths(rids, [3, 0], greedy, 3)
+        rejected.observe_outcome("a", [9])
+    newer = IdleLookup(IdleLookupAdvice(RATES, RATES, (0.030, 0.001)), before=rejected)
+    assert newer.acceptance.rate(3, True) == pytest.approx(rejected.acceptance.rate(3, True))
+    assert newer.acceptance.rate(3, True) < RATES[3] - 0.2
+    assert newer.verified == 0 and newer.verify.predict(4) == pytest.approx(0.034)
+
+
 def test_greedy_and_sampled_requests_send_by_their_own_rates():
     """The same 3-token match: a greedy row sends at its rate, a sampled one (accepting
     a lookup token with the target's probability of it) by its own, lower, rate; each

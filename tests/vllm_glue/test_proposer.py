@@ -27,7 +27,7 @@ def idle_proposer(limit):
     p.lending = None
     p.lent_sd = False
     p._wake_share, p._lookup, p._lookup_woke = None, None, float("-inf")
-    p._idle_lookup, p._looked_up = None, False
+    p._idle_lookup, p._looked_up, p._lookup_before = None, False, None
     p.paused = False
     p.cfg = SimpleNamespace(num_speculative_tokens=3)
     p.vocab_size = 16

@@ -174,6 +174,7 @@ class SaguaroProposer:
         self._lookup: LookupWatch | None = None
         # IdleAdvice.lookup: this idle's own prompt lookup drafts (None: it sends nothing)
         self._idle_lookup: IdleLookup | None = None
+        self._lookup_before: IdleLookup | None = None  # the latest idle's: the next goes on from it
         self._lookup_woke = float("-inf")  # when an idle last ended so (monotonic)
         # requests finished or preempted that the draft worker has not been told of yet
         self._gone: set[str] = set()
@@ -374,7 +375,11 @@ class SaguaroProposer:
             self._probe_rounds = PROBE_ROUNDS if limit.probe else None
             self._wake_share = limit.wake_share
             self._lookup = LookupWatch() if limit.wake_share is not None else None
-            self._idle_lookup = None if limit.lookup is None else IdleLookup(limit.lookup)
+            if limit.lookup is not None:  # (what the last idle's measured goes on)
+                self._idle_lookup = self._lookup_before = IdleLookup(
+                    limit.lookup, before=self._lookup_before)
+            else:
+                self._idle_lookup = None
             if self.lending is not None:
                 self.lending.lend()
         elif self.lent_sd:  # the target verifies on every core; nothing to pre-speculate
