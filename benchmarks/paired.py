@@ -270,7 +270,20 @@ def main(argv=None) -> dict:
     if set(names) - set(known):
         raise SystemExit(f"unknown SSD systems {sorted(set(names) - set(known))}; "
                          f"with K={args.k}: {', '.join(known)}")
+    meta = {"started": started, "command": "python -m benchmarks.paired "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "target": target, "draft": draft, "cores": cores,
+            "max_tokens": args.max_tokens, "prompts_per_set": args.prompts_per_set,
+            "repeats": args.repeats or "enough for 6 pairs",
+            "vllm_starts": args.vllm_starts, "systems": names}
     plugin, vllm = [], []
+
+    def write() -> dict:  # after every start: a long run stopped keeps what it measured
+        result = {"meta": meta, "plugin": plugin, "vllm": vllm, "rows": combine(plugin, vllm)}
+        (out / "latest.json").write_text(json.dumps(result, indent=1))
+        (out / "latest.md").write_text(markdown(result))
+        return result
+
     for b in batches:
         per_set = min(len(v) for v in prompts.values())
         repeats = args.repeats or max(1, math.ceil(6 / max(1, math.ceil(per_set / b))))
@@ -278,20 +291,13 @@ def main(argv=None) -> dict:
         for name in names:
             log(f"b={b}: {name}, {repeats} pass(es), paired")
             plugin += run_plugin_block(known[name], groups, prompts, target, draft, s, repeats)
+            write()
         for i in range(args.vllm_starts):
             log(f"b={b}: plain vLLM 2c, start {i + 1}/{args.vllm_starts}")
             vllm += run_vllm_block(ar, groups, prompts, target, s, repeats)
-    result = {"meta": {"started": started, "command": "python -m benchmarks.paired "
-                       + " ".join(argv if argv is not None else sys.argv[1:]),
-                       "target": target, "draft": draft, "cores": cores,
-                       "max_tokens": args.max_tokens, "prompts_per_set": args.prompts_per_set,
-                       "repeats": args.repeats or "enough for 6 pairs",
-                       "vllm_starts": args.vllm_starts, "systems": names},
-              "plugin": plugin, "vllm": vllm, "rows": combine(plugin, vllm)}
-    (out / "latest.json").write_text(json.dumps(result, indent=1))
-    md = markdown(result)
-    (out / "latest.md").write_text(md)
-    print(md)
+            write()
+    result = write()
+    print(markdown(result))
     return result
 
 

@@ -659,7 +659,34 @@ def test_an_idle_hands_the_proposer_its_lookup_drafts_lines_and_rates(tiny_targe
     assert w._idle_lookup_advice() is None
     w.cfg.fallback = "auto"
     w._probed, w.lent_widths = {}, set()  # never measured at batch 1: a probe, plain
+    assert w._idle_limit(1).lookup is not None  # (the idle's own lookup drafts beat it)
+    w.cfg.controller.idle_lookup = False
     assert w._idle_limit(1) == IdleAdvice(0, probe=True)
+
+
+def test_speculation_must_beat_the_idles_own_lookup_drafts(tiny_target):
+    """The idle's bar (_idle_bar, batch_limit's idle_rate): where the text continues
+    3-token matches whose tokens are accepted, the proposer's own lookup drafts give more
+    than plain decoding, and speculation that beats plain decoding but not them idles;
+    with controller.idle_lookup off, or text without matches, plain decoding is the bar."""
+    w = lent_worker(tiny_target, regime="auto")
+    w.cfg.fallback = "auto"
+    plain = 1 / w.lent_cost.predict(1)
+    w._expected_rate = lambda b, shares=None: 1.2 * plain
+    w._lent_sd_rate = lambda b, now, measured=True, shares=None: 1.2 * plain
+    for _ in range(60):
+        w.fast_acceptance.observe(3, 3, 3)
+    w.fast_acceptance.seen_in([0] * 10)  # no match in the batch's text
+    assert w._idle_bar(1, w._plain_s()) == pytest.approx(plain)
+    assert w._idle_limit(1) is None
+    w.fast_acceptance.seen_in([3] * 10)  # every position continues a 3-token match
+    bar = w._idle_bar(1, w._plain_s())
+    assert bar > 1.2 * plain
+    advice = w._idle_limit(1)
+    assert advice is not None and advice.limit == 0 and advice.lookup is not None
+    w.cfg.controller.idle_lookup = False
+    assert w._idle_bar(1, w._plain_s()) == pytest.approx(plain)
+    assert w._idle_limit(1) is None
 
 
 def test_the_catch_up_counts_the_tokens_beyond_the_kv_the_draft_holds(tiny_target):

@@ -173,13 +173,17 @@ def draft_more_pays(now: list[Candidate], more: list[Candidate],
 
 
 def batch_limit(speculative_rate: Callable[[int], float], plain_s: Callable[[int], float],
-                max_batch: int) -> int:
+                max_batch: int, idle_rate: Callable[[int], float] | None = None) -> int:
     """The largest batch size (up to max_batch) at which speculation's expected tokens per
-    second beat plain decoding's (batch / plain_s(batch)); 0 if none. Above it the draft
-    can stay idle. plain_s is the step time of plain decoding: on the target's own cores,
-    or on the draft's too when they can be lent to it (vllm_glue/lending.py)."""
+    second beat plain decoding's (batch / plain_s(batch)), or what the idle gives where
+    that is more (idle_rate: with the proposer's own lookup drafts); 0 if none. Above it
+    the draft can stay idle. plain_s is the step time of plain decoding: on the target's
+    own cores, or on the draft's too when they can be lent to it (vllm_glue/lending.py)."""
     for b in range(max_batch, 0, -1):
-        if speculative_rate(b) > b / max(plain_s(b), 1e-9):
+        bar = b / max(plain_s(b), 1e-9)
+        if idle_rate is not None:
+            bar = max(bar, idle_rate(b))
+        if speculative_rate(b) > bar:
             return b
     return 0
 

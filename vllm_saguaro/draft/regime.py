@@ -23,9 +23,10 @@ from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beat
                                           catch_up_pays, lent_sd_pays, lent_sd_worth,
                                           speculation_pays)
 from vllm_saguaro.core.fallback import recent_matches
-from vllm_saguaro.core.idle_lookup import IdleLookupAdvice, idle_lookup_rate
+from vllm_saguaro.core.idle_lookup import (LOOKUP_ENTRY_MARGIN, IdleLookupAdvice,
+                                           idle_lookup_rate)
 from vllm_saguaro.core.sampling import SamplingSpec
-from vllm_saguaro.core.theory import sd_rate, ssd_rate, target_alone_rate
+from vllm_saguaro.core.theory import sd_rate, ssd_rate
 from vllm_saguaro.draft.drafting import lcp
 from vllm_saguaro.draft.state import Update
 
@@ -188,7 +189,7 @@ class RegimeChoice:
             # where it gave plain decoding's rate at batch 4 give or take noise, a mere
             # lead there made the close recheck try it again and again: 0.89-0.93x plain
             # vLLM); no longer, once it gave less than plain decoding
-            plain = target_alone_rate(last[1], plain_s)
+            plain = self._idle_bar(last[1], plain_s)
             if lent_sd_worth(gave, continuing=False) > plain:
                 self.lent_sd_paid.add(last[1])
                 self.lent_sd_ever_paid.add(last[1])
@@ -282,7 +283,7 @@ class RegimeChoice:
             ssd, lent_sd = self._weighed_rates(b, now)
             return max(ssd, 0.0 if lent_sd is None else lent_sd)
 
-        limit = batch_limit(rate, plain, max_batch=batch)
+        limit = batch_limit(rate, plain, max_batch=batch, idle_rate=self._idle_rate())
         if limit < batch:
             return self._watching(self._close_idle(limit, batch, plain), batch, plain)
         if self.lent_cost is not None and self._probe_due(batch, now):
@@ -310,6 +311,38 @@ class RegimeChoice:
         lookup = self._idle_lookup_advice()
         return advice._replace(lookup=lookup,
                                wake_share=self._lookup_wake_share(batch, plain_s, lookup))
+
+    def _idle_bar(self, batch: int, plain_s) -> float:
+        """What idling gives at this batch size: plain decoding's rate (plain_s: its step
+        time), or more with the proposer's own lookup drafts (_idle_rate). What SD on the
+        lent cores gave is weighed against it (paid, a close idle) as the idle decision
+        weighs its model."""
+        plain = batch / max(plain_s(batch), 1e-9)
+        idle = self._idle_rate()
+        return plain if idle is None else max(plain, idle(batch))
+
+    def _idle_rate(self):
+        """What an idle is expected to give at batch size b with the proposer's own lookup
+        drafts (_idle_lookup_advice): idle_lookup_rate at the text's share of 3-token
+        matches (MatchAcceptance.shares, the batch's latest positions), a verification
+        costing a plain step of its width on the lent cores' line, counted only where it
+        clears the lookup's entry margin (what the proposer sends by). Speculation with
+        the draft must beat it, not plain decoding alone. Measured at batch 1 on
+        HumanEval, paired within one engine start (issue 19's twenty-second round): an
+        idle with lookup drafts ran 1.74x (T = 0) and 1.20x (T = 1) plain decoding,
+        where SD on the lent cores, taken for beating plain decoding, ran 1.56x and
+        1.05x. None: no lookup drafts while idle."""
+        lookup = self._idle_lookup_advice()
+        if lookup is None:
+            return None
+        line, m = StepCost(*lookup.plain).predict, self.fast_acceptance
+        share, rate = m.shares()[-1], m.rate(m.lengths - 1)
+
+        def idle(b: int) -> float:
+            plain = b / max(line(b), 1e-9)
+            gives = idle_lookup_rate(b, share, rate, self.K, line, line)
+            return gives if gives > (1.0 + LOOKUP_ENTRY_MARGIN) * plain else plain
+        return idle
 
     def _idle_lookup_advice(self) -> IdleLookupAdvice | None:
         """The proposer's prompt lookup while the draft idles (core/idle_lookup.py): the
@@ -354,7 +387,7 @@ class RegimeChoice:
 
         Neither after a try that did not pay (_wake): a recheck after LENT_TRY_BACKOFF_S,
         doubled for each such try in a row."""
-        plain = batch / max(plain_s(batch), 1e-9)
+        plain = self._idle_bar(batch, plain_s)
         self._ssd_try_batch = batch if self._ssd_try_due(batch, plain) else None
         if self._ssd_try_batch is not None:
             return IdleAdvice(limit, probe=False, recheck_s=CLOSE_RECHECK_S)
