@@ -35,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from benchmarks.run import (ENV, Settings, System, chunks, decode_times, diff, environment,
@@ -104,18 +105,30 @@ def controller_did(counters: list[dict]) -> dict:
             "tokens_per_row": sum(n * x for n, x in enumerate(sent)) / rows if rows else None}
 
 
+@contextmanager
+def engine(system: System, spec: dict | None, prompts, target, s: Settings):
+    """An engine started as its user starts it (System.env), warmed up on one prompt
+    (not measured), shut down after."""
+    from vllm import SamplingParams
+
+    with environment(system.env(s.pair, s)):
+        llm = make_engine(target, spec, s)
+    try:
+        warm = next(iter(prompts.values()))[:1]
+        llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)
+        yield llm
+    finally:
+        shutdown(llm)
+
+
 def run_plugin_block(system: System, groups: list[tuple], prompts, target, draft,
                      s: Settings, repeats: int) -> list[dict]:
     """One engine start of `system`: every group's chunks, each run paused and as
     configured (pair_order)."""
     from vllm import SamplingParams
 
-    with environment(system.env(s.pair, s)):
-        llm = make_engine(target, system.spec(draft, s), s)
-    try:
-        warm = next(iter(prompts.values()))[:1]
-        llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                     use_tqdm=False)
+    with engine(system, system.spec(draft, s), prompts, target, s) as llm:
         out = []
         for dataset, temperature, batch in groups:
             sp = SamplingParams(temperature=temperature, max_tokens=s.max_tokens, ignore_eos=True)
@@ -133,8 +146,6 @@ def run_plugin_block(system: System, groups: list[tuple], prompts, target, draft
                 f"{_f(rec['did']['idle_share'])}")
             out.append(rec)
         return out
-    finally:
-        shutdown(llm)
 
 
 def run_vllm_block(system: System, groups: list[tuple], prompts, target, s: Settings,
@@ -143,12 +154,7 @@ def run_vllm_block(system: System, groups: list[tuple], prompts, target, s: Sett
     plugin's block runs each side."""
     from vllm import SamplingParams
 
-    with environment(system.env(s.pair, s)):
-        llm = make_engine(target, None, s)
-    try:
-        warm = next(iter(prompts.values()))[:1]
-        llm.generate(warm, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
-                     use_tqdm=False)
+    with engine(system, None, prompts, target, s) as llm:
         out = []
         for dataset, temperature, batch in groups:
             sp = SamplingParams(temperature=temperature, max_tokens=s.max_tokens, ignore_eos=True)
@@ -157,8 +163,6 @@ def run_vllm_block(system: System, groups: list[tuple], prompts, target, s: Sett
             out.append({"dataset": dataset, "temperature": temperature, "batch": batch,
                         "tok_s": [r["tok_s"] for r in runs]})
         return out
-    finally:
-        shutdown(llm)
 
 
 def summarize_pairs(rec: dict) -> None:
