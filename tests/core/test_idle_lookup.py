@@ -71,7 +71,7 @@ def test_an_idle_lookup_learns_its_rates_and_lines_from_its_rounds():
     stops it as well."""
     advice = IdleLookupAdvice(RATES, RATES, (0.036, 0.001))
     look = IdleLookup(advice)
-    assert look.verify.predict(7) == pytest.approx(look.plain.predict(7))
+    assert look.verify[False].predict(7) == pytest.approx(look.plain.predict(7))
     rids, greedy = ["a", "b"], [True, True]
     assert look.lengths(rids, [3, 0], greedy, 3) == [3, 0]
     assert look.sent == {"a": (True, 3, 3)}
@@ -107,7 +107,7 @@ def test_the_next_idle_goes_on_from_what_the_last_one_measured():
     fresh, goes_on = IdleLookup(advice), IdleLookup(advice, before=first)
     assert fresh.lengths(rids, [3, 0], greedy, 3) == [3, 0]  # the guess sends
     assert goes_on.lengths(rids, [3, 0], greedy, 3) == [0, 0]
-    assert goes_on.verify is first.verify and goes_on.verified == 60
+    assert goes_on.verify[False] is first.verify[False] and goes_on.verified[False] == 60
     assert goes_on.plain.predict(4) == pytest.approx(fresh.plain.predict(4))  # the advice's
 
     rejected = IdleLookup(advice)
@@ -117,7 +117,22 @@ def test_the_next_idle_goes_on_from_what_the_last_one_measured():
     newer = IdleLookup(IdleLookupAdvice(RATES, RATES, (0.030, 0.001)), before=rejected)
     assert newer.acceptance.rate(3, True) == pytest.approx(rejected.acceptance.rate(3, True))
     assert newer.acceptance.rate(3, True) < RATES[3] - 0.2
-    assert newer.verified == 0 and newer.verify.predict(4) == pytest.approx(0.034)
+    assert newer.verified[False] == 0 and newer.verify[False].predict(4) == pytest.approx(0.034)
+
+
+def test_a_batch_with_sampled_rows_verifies_on_a_line_of_its_own():
+    """Verifications dear where a row samples (the T > 0 path) stop lookup drafts in such
+    batches only: an all-greedy batch's line stays the advice's, and it still sends."""
+    look = IdleLookup(IdleLookupAdvice(RATES, RATES, (0.036, 0.001)))
+    rids = ["a", "b"]
+    for _ in range(60):  # sampled batches: each verification as dear as two plain steps
+        look.lengths(rids, [3, 0], [False, True], 3)
+        look.observe_step(2, 0.036, False)
+        look.observe_step(5, 0.075, True)
+    assert look.verified == {False: 0, True: 60}
+    assert look.lengths(rids, [3, 0], [False, True], 3) == [0, 0]
+    assert look.lengths(rids, [3, 0], [True, True], 3) == [3, 0]
+    assert look.verify[False].predict(5) == pytest.approx(0.036 + 0.001 * 5)  # the advice's
 
 
 def test_greedy_and_sampled_requests_send_by_their_own_rates():

@@ -463,7 +463,7 @@ def test_an_idle_sends_its_own_lookup_drafts_where_they_pay():
     fits = look.acceptance.fits
     assert fits[True][3].accepted > 0 and fits[True][3].rejected == 0
     assert fits[False][3].accepted == 0
-    assert look.verify.predict(9) < StepCost(0.036, 0.001).predict(9)  # 40 ms, not 45
+    assert look.verify[False].predict(9) < StepCost(0.036, 0.001).predict(9)  # 40 ms, not 45
     assert p.target_steps == []  # the IdleLookup's alone, not the worker's (SD's line)
 
     p.idle_above = 1

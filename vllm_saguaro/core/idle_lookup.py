@@ -92,37 +92,49 @@ class IdleLookup:
     from its own rounds; the rows that sent drafts last round, to learn from what was
     accepted.
 
-    `before`, the last idle's: what it measured goes on. Its verification line (the
-    same forward on the same cores, whatever the text) replaces the advice's guess,
+    The verification's line is kept for a batch with sampled rows apart from an
+    all-greedy one (`verify[sampled]`): measured at batch 4 on HumanEval (paired within
+    one engine start, issue 19's twenty-second round), a round of lookup drafts cost
+    ~15 ms more than a plain step of ~47 ms at T = 0 (1.14x plain decoding) and ~42 ms
+    more at T = 1 (0.95x), where one line learnt at T = 0 held on into T = 1.
+
+    `before`, the last idle's: what it measured goes on. Its verification lines (the
+    same forward on the same cores, whatever the text) replace the advice's guess,
     and its lookup drafts' judged tokens stay in the acceptance, under the draft's
-    newer rates as the prior. Measured without (issue 19's twenty-second round, paired
-    within one engine start): every batch of the benchmark began a new idle from the
-    draft's rates and plain decoding's line, and at batch 4 the idle's lookup drafts
-    ran MT-Bench (T = 0) at 0.95x plain decoding in two starts, where without them it
-    ran 1.02x: a round of them cost ~25 ms more than a plain step of ~47 ms, for ~0.9
-    tokens of 4 rows."""
+    newer rates as the prior. Measured without (the same round): every batch of the
+    benchmark began a new idle from the draft's rates and plain decoding's line, and
+    at batch 4 the idle's lookup drafts ran MT-Bench (T = 0) at 0.95x plain decoding
+    in two starts, where without them it ran 1.02x: a round of them cost ~25 ms more
+    than a plain step of ~47 ms, for ~0.9 tokens of 4 rows."""
 
     def __init__(self, advice: IdleLookupAdvice, margin: float = LOOKUP_ENTRY_MARGIN,
                  before: IdleLookup | None = None):
         self.acceptance = MatchAcceptance(advice.rates, advice.sampled_rates)
         self.plain = StepCost(*advice.plain)
-        self.verify = StepCost(*advice.plain)  # until measured: a step of that width
-        self.verified = 0  # verifications measured (this idle's and those before)
+        # until measured: a step of that width; by whether a row of the batch samples
+        self.verify = {kind: StepCost(*advice.plain) for kind in (False, True)}
+        self.verified = {False: 0, True: 0}  # verifications measured (with those before)
+        self._sampled = False  # whether a row sampled in the last round that chose lengths
         self.margin = margin
         self.forced = advice.forced
         # request -> (greedy, match length, tokens sent)
         self.sent: dict[str, tuple[bool, int, int]] = {}
         if before is not None:
-            if before.verified:
-                self.verify, self.verified = before.verify, before.verified
+            for kind, n in before.verified.items():
+                if n:
+                    self.verify[kind], self.verified[kind] = before.verify[kind], n
             for greedy, fits in self.acceptance.fits.items():
                 for fit, old in zip(fits, before.acceptance.fits[greedy]):
                     fit.accepted, fit.rejected = old.accepted, old.rejected
 
     def observe_step(self, width: int, seconds: float, drafted: bool) -> None:
-        """The target's last step, as the proposer measured it (a clean decode step)."""
-        (self.verify if drafted else self.plain).observe(width, seconds)
-        self.verified += drafted
+        """The target's last step, as the proposer measured it (a clean decode step): a
+        verification of the last round's drafts, or a plain step."""
+        if drafted:
+            self.verify[self._sampled].observe(width, seconds)
+            self.verified[self._sampled] += 1
+        else:
+            self.plain.observe(width, seconds)
 
     def observe_outcome(self, rid: str, sampled: list[int]) -> None:
         """What the target accepted of the request's last lookup draft: its tokens this
@@ -137,12 +149,14 @@ class IdleLookup:
         """This step's lengths (lookup_lengths), remembered per request for its outcome;
         greedy[i]: whether row i's request is greedy."""
         self.sent.clear()
+        self._sampled = not all(greedy)
         if self.forced:
             out = [0 if n is None else cap for n in matches]
         else:
             rates = [None if n is None else self.acceptance.rate(n, g)
                      for n, g in zip(matches, greedy)]
-            out = lookup_lengths(rates, cap, self.plain.predict, self.verify.predict, self.margin)
+            out = lookup_lengths(rates, cap, self.plain.predict,
+                                 self.verify[self._sampled].predict, self.margin)
         for rid, n, g, length in zip(rids, matches, greedy, out):
             if length:
                 self.sent[rid] = (g, n, length)
