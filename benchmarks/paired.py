@@ -96,13 +96,14 @@ def controller_did(counters: list[dict]) -> dict:
     lent cores, of the idle's own lookup drafts, and the draft tokens sent per row."""
     c = {k: sum(x.get(k, 0) for x in counters) for k in counters[0]} if counters else {}
     rounds = c.get("plugin.rounds", 0) + c.get("plugin.idle_rounds", 0)
-    sent = [c.get(f"plugin.sent_{n}", 0) for n in range(8)]
-    rows = sum(sent)
+    # rows by tokens sent (plugin.sent_<n>, n = 0..K: as many as the run's K)
+    sent = {int(k.rsplit("_", 1)[1]): x for k, x in c.items() if k.startswith("plugin.sent_")}
+    rows = sum(sent.values())
     share = lambda k: c.get(k, 0) / rounds if rounds else None  # noqa: E731
     return {"rounds": rounds, "idle_share": share("plugin.idle_rounds"),
             "lent_sd_share": share("plugin.lent_sd_rounds"),
             "idle_lookup_share": share("plugin.idle_lookup_rounds"),
-            "tokens_per_row": sum(n * x for n, x in enumerate(sent)) / rows if rows else None}
+            "tokens_per_row": sum(n * x for n, x in sent.items()) / rows if rows else None}
 
 
 @contextmanager
