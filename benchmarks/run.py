@@ -47,7 +47,7 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
 PLUGIN_FIELDS = ("rounds", "seqs", "lookups", "hits", "fallbacks", "wait_prespec_s", "wait_step_s",
                  "draft_step_s", "unpack_s", "hit_rounds", "hit_reply_s", "miss_reply_s",
                  "target_rounds", "target_s", "plain_rounds", "idle_rounds", "lent_sd_rounds",
-                 "transfer_bytes", "idle_lookup_rounds")
+                 "transfer_bytes", "idle_lookup_rounds", "drain_rounds")
 DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "fast_seqs", "fast_rounds",
                 "branches", "hit_outcomes", "hit_tokens", "neural_outcomes", "neural_tokens",
                 "fast_outcomes", "fast_tokens", "miss_k", "miss_bonus", "miss_cut_short",

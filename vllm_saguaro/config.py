@@ -78,6 +78,13 @@ class ControllerConfig(BaseModel):
     lend_cores: bool = Field(
         True, description="CPU: while the draft idles, the target's threads run on the "
         "draft's cores too (vllm_glue/lending.py), so plain decoding has every core")
+    objective: Literal["auto", "tokens", "span"] = Field(
+        "auto", description="what speculation is for where no request waits to take a "
+        "finished one's place. tokens: the batch's tokens per second (each request's own "
+        "latency: a server); span: the time until the batch's last request finishes (the "
+        "caller waits for all: offline LLM.generate), so a token accepted in a row that "
+        "does not hold the batch up is worth little (core/span.py); auto: span in an "
+        "engine of vLLM's LLM class, tokens otherwise. Applies to the idle's lookup drafts")
     idle_lookup: bool = Field(
         True, description="while the draft idles, the target's process sends prompt lookup "
         "drafts of its own (continuations of an earlier occurrence of the last tokens) "

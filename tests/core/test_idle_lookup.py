@@ -92,6 +92,26 @@ def test_an_idle_lookup_learns_its_rates_and_lines_from_its_rounds():
     assert look.lengths(rids, [3, 0], greedy, 3) == [0, 0]
 
 
+def test_a_draining_batch_sends_only_what_shortens_it():
+    """Given the tokens each row has left (a batch that drains, core/span.py), a row
+    continuing a match sends only where the batch waits for it: not tied with three rows
+    that match nothing (at its pace it finishes first); with more left than they have,
+    it does, until its pace puts it ahead of them."""
+    advice = IdleLookupAdvice(RATES, RATES, (0.036, 0.001))
+    rids, greedy = ["a", "b", "c", "d"], [True] * 4
+    assert IdleLookup(advice).lengths(rids, [3, 0, 0, 0], greedy, 3) == [3, 0, 0, 0]
+    look = IdleLookup(advice)
+    assert look.lengths(rids, [3, 0, 0, 0], greedy, 3, left=[40] * 4) == [0] * 4
+    assert look.sent == {} and look.pace["a"] > 10 * look.pace["b"]
+    look = IdleLookup(advice)
+    assert look.lengths(rids, [3, 0, 0, 0], greedy, 3, left=[40, 30, 30, 30]) == [3, 0, 0, 0]
+    assert look.sent == {"a": (True, 3, 3)}
+    for _ in range(10):  # ten rounds more of it: 40 tokens at its pace take fewer than 30 steps
+        look.lengths(rids, [3, 0, 0, 0], greedy, 3, left=[40, 30, 30, 30])
+    assert 40 / (1 + look.pace["a"]) < 30 and look.sent == {}
+    assert IdleLookup(advice, before=look).pace == look.pace  # the next idle goes on
+
+
 def test_the_next_idle_goes_on_from_what_the_last_one_measured():
     """A new idle (the draft's advice again) keeps the last idle's verification line and
     its judged lookup tokens, under the advice's rates as the prior: an idle that learnt

@@ -103,6 +103,9 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant, monkeypatc
     if variant == "idle_lookup":  # rounds without the draft verified its lookup drafts
         assert m.idle_lookup_rounds > 0 and sent[3] > 0 and m.rounds < m.idle_rounds, (
             m.idle_lookup_rounds, sent, m.rounds, m.idle_rounds)
+        # an LLM engine: the 'span' objective, and rounds in which no request waited
+        # (the scheduler's count reached the runner: patch_scheduler_waiting)
+        assert m.drain_rounds > 0
         assert delta["vllm:spec_decode_num_drafts"] > 0
         assert delta["vllm:spec_decode_num_accepted_tokens"] > 0
         return

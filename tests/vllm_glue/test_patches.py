@@ -59,6 +59,41 @@ def test_engine_args_bad_config_is_one_clear_error(tiny_target, tmp_path):
     assert "saguaro_c" in str(e.value) and "draft_model" in str(e.value)
 
 
+def test_objective_auto_is_span_for_an_llm_engine_only(tiny_target, spec_yaml):
+    """controller.objective 'auto' is decided where the engine's config is made: 'span'
+    for vLLM's LLM class (its caller waits for the whole batch), 'tokens' for a server
+    or an engine made otherwise; a set objective stays."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
+
+    patches.apply_all()
+    value = yaml.safe_load(spec_yaml.read_text())
+
+    def objective(usage, **controller):
+        spec = dict(value, controller=controller) if controller else value
+        cfg = EngineArgs(model=str(tiny_target), speculative_config=spec, enforce_eager=True,
+                         max_model_len=256).create_engine_config(usage)
+        return cfg.additional_config["saguaro"]["controller"]["objective"]
+
+    assert objective(UsageContext.LLM_CLASS) == "span"
+    assert objective(UsageContext.OPENAI_API_SERVER) == "tokens"
+    assert objective(None) == "tokens"
+    assert objective(UsageContext.LLM_CLASS, objective="tokens") == "tokens"
+    assert objective(UsageContext.OPENAI_API_SERVER, objective="span") == "span"
+
+
+def test_tokens_left_is_max_tokens_or_the_models_length():
+    from types import SimpleNamespace
+
+    req = SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=64),
+                          output_token_ids=[1] * 10)
+    assert patches.tokens_left(req, num_tokens=100, max_model_len=256) == 54
+    assert patches.tokens_left(req, num_tokens=230, max_model_len=256) == 26
+    req.sampling_params.max_tokens = None
+    assert patches.tokens_left(req, num_tokens=100, max_model_len=256) == 156
+    assert patches.tokens_left(req, num_tokens=300, max_model_len=256) == 0
+
+
 def test_cli_parser_takes_a_path(spec_yaml):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser

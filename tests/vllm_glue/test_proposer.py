@@ -34,6 +34,21 @@ def idle_proposer(limit):
     return p
 
 
+def test_a_draining_batch_near_its_end_does_not_wake_the_draft():
+    """The batch shrank to where speculation could pay, or a recheck is due: the draft
+    is woken, unless no request waits and every row is within WAKE_MIN_LEFT tokens of
+    its end (its catch-up would cost more than the few steps could give)."""
+    near = [mod.WAKE_MIN_LEFT - 1, 3]
+    p = idle_proposer(2)
+    assert p._idle(ids(2), 2, {"x"}, left=near) and p.idle_above == 2 and p._gone == {"x"}
+    p._idle_since -= mod.IDLE_RECHECK_S  # a recheck due: still not
+    assert p._idle(ids(4), 4, set(), left=near + near)
+    assert p._idle(ids(4), 4, set(), woken=True, left=near + near)
+    assert not p._idle(ids(2), 2, set(), left=[mod.WAKE_MIN_LEFT, 3])  # one row far from it
+    p = idle_proposer(2)
+    assert not p._idle(ids(2), 2, set())  # requests waiting (left unknown): woken
+
+
 def test_idle_rounds_skip_the_draft_and_keep_the_finished():
     p = idle_proposer(2)
     sampled = [[5], [6], [7], [8]]
@@ -469,6 +484,33 @@ def test_an_idle_sends_its_own_lookup_drafts_where_they_pay():
     p.idle_above = 1
     assert not p._idle(ids(1), 1, set())       # the batch shrank: the idle ends
     assert p._idle_lookup is None
+
+
+@pytest.mark.parametrize("objective", ["span", "tokens"])
+def test_a_draining_batch_sends_lookup_drafts_only_where_they_shorten_it(objective):
+    """The runner passes the tokens each row has left where no request waits (`left`,
+    patches.patch_runner_propose). With the span objective the proposer's lookup drafts
+    are valued by the batch's last row (core/span.py): one row of four continuing a
+    match, all with 40 tokens left, sends nothing, and the round counts as a draining
+    one; with the tokens objective `left` changes nothing."""
+    import torch
+
+    code = [1, 2, 3, 4] * 5
+    prose = list(range(100, 120))
+    tokens = torch.tensor([code, prose, prose, prose])
+    p = idle_proposer(0)
+    p.cfg = SimpleNamespace(num_speculative_tokens=3,
+                            controller=SimpleNamespace(objective=objective))
+    rates = (0.02, 0.15, 0.35, 0.8)
+    p._idle_lookup = IdleLookup(IdleLookupAdvice(rates, rates, (0.036, 0.001)))
+    greedy = lambda rid: SamplingSpec()  # noqa: E731
+    drafts, _ = p.propose_round(["a", "b", "c", "d"], [20] * 4, tokens,
+                                [[4], [119], [119], [119]], set(), greedy, left=[40] * 4)
+    if objective == "span":
+        assert drafts == [[], [], [], []] and p.metrics.drain_rounds == 1
+        assert "valued by the draining batch's span in 100%" in p.metrics.lengths_summary()
+    else:
+        assert drafts == [[1, 2, 3], [], [], []] and p.metrics.drain_rounds == 0
 
 
 def test_paused_rounds_send_nothing_lend_the_cores_and_resume_calling_the_draft():

@@ -32,10 +32,14 @@ from typing import Callable, NamedTuple
 from vllm_saguaro.core.controller import (Candidate, StepCost, choose_lengths, expected_tokens,
                                           plain_then_verify)
 from vllm_saguaro.core.fallback import MatchAcceptance
+from vllm_saguaro.core.span import span_lengths
 
 # What a round of lookup drafts must be expected to gain over plain decoding, as a share,
 # to send anything.
 LOOKUP_ENTRY_MARGIN = 0.05
+
+# Each round's weight left to a row's pace before it (_keep_pace): about ten rounds.
+PACE_DECAY = 0.9
 
 
 class IdleLookupAdvice(NamedTuple):
@@ -119,6 +123,7 @@ class IdleLookup:
         self.forced = advice.forced
         # request -> (greedy, match length, tokens sent)
         self.sent: dict[str, tuple[bool, int, int]] = {}
+        self.pace: dict[str, float] = {}  # request -> tokens a round (_keep_pace)
         if before is not None:
             for kind, n in before.verified.items():
                 if n:
@@ -126,6 +131,7 @@ class IdleLookup:
             for greedy, fits in self.acceptance.fits.items():
                 for fit, old in zip(fits, before.acceptance.fits[greedy]):
                     fit.accepted, fit.rejected = old.accepted, old.rejected
+            self.pace = dict(before.pace)
 
     def observe_step(self, width: int, seconds: float, drafted: bool) -> None:
         """The target's last step, as the proposer measured it (a clean decode step): a
@@ -145,9 +151,11 @@ class IdleLookup:
             self.acceptance.observe(n, min(len(sampled) - 1, sent), sent, greedy)
 
     def lengths(self, rids: list[str], matches: list[int | None], greedy: list[bool],
-                cap: int) -> list[int]:
-        """This step's lengths (lookup_lengths), remembered per request for its outcome;
-        greedy[i]: whether row i's request is greedy."""
+                cap: int, left: list[int] | None = None) -> list[int]:
+        """This step's lengths, remembered per request for its outcome; greedy[i]:
+        whether row i's request is greedy. left: the tokens each row has left where the
+        batch drains (core/span.py: the lengths that finish it soonest, by the rows'
+        paces); None: the most tokens per second (lookup_lengths)."""
         self.sent.clear()
         self._sampled = not all(greedy)
         if self.forced:
@@ -155,9 +163,27 @@ class IdleLookup:
         else:
             rates = [None if n is None else self.acceptance.rate(n, g)
                      for n, g in zip(matches, greedy)]
-            out = lookup_lengths(rates, cap, self.plain.predict,
-                                 self.verify[self._sampled].predict, self.margin)
+            pace = self._keep_pace(rids, rates, cap)
+            verify_s = self.verify[self._sampled].predict
+            if left is None:
+                out = lookup_lengths(rates, cap, self.plain.predict, verify_s, self.margin)
+            else:
+                out = span_lengths([None if r is None else (r,) * cap for r in rates], left,
+                                   pace, self.plain.line(), verify_s, self.margin)
         for rid, n, g, length in zip(rids, matches, greedy, out):
             if length:
                 self.sent[rid] = (g, n, length)
         return out
+
+    def _keep_pace(self, rids: list[str], rates: list[float | None], cap: int) -> list[float]:
+        """Each row's pace (core/span.py): the tokens its lookup drafts are expected to
+        have accepted a round, sent or not, averaged over its recent rounds (from 0, the
+        pace of text that does not repeat). Rows that may not send keep theirs."""
+        pace = {}
+        for rid, rate in zip(rids, rates):
+            was = self.pace.get(rid, 0.0)
+            if rate is not None:
+                was = PACE_DECAY * was + (1.0 - PACE_DECAY) * expected_tokens((rate,) * cap)
+            pace[rid] = was
+        self.pace = pace  # requests gone from the batch are dropped
+        return [pace[rid] for rid in rids]

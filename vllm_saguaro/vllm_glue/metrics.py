@@ -52,6 +52,8 @@ def _counters() -> dict:
             "idle_lookup": c("idle_lookup_rounds", "Rounds in which the draft was not "
                              "called and the proposer sent prompt lookup drafts of its own "
                              "(controller.idle_lookup)"),
+            "drain": c("drain_rounds", "Rounds in which no request waited and the lengths "
+                       "were chosen for the batch's span (controller.objective span)"),
             "lent_sd": c("lent_sd_rounds", "Rounds of SD on the lent cores (CPU): the draft "
                          "drafted while the target waited, and the target verified on every "
                          "core, the draft's included"),
@@ -103,6 +105,7 @@ class SaguaroMetrics:
     idle_rounds: int = 0
     lent_sd_rounds: int = 0       # rounds of SD on the lent cores (controller.regime)
     idle_lookup_rounds: int = 0   # idle rounds with the proposer's own lookup drafts
+    drain_rounds: int = 0         # rounds valued by the batch's span (core/span.py)
     # The draft worker's failures (vllm_glue/supervisor.py), restarts, rounds without it
     draft_failures: int = 0
     draft_restarts: int = 0
@@ -170,6 +173,11 @@ class SaguaroMetrics:
         self._count_lengths(lengths)
         self._maybe_log()
 
+    def record_drain_round(self) -> None:
+        """A round in which no request waited, its lengths chosen for the batch's span."""
+        self.drain_rounds += 1
+        _counters()["drain"].inc()
+
     def record_down_round(self, seqs: int) -> None:
         """A plain round because no draft worker was up (it failed, a new one starts)."""
         self.down_rounds += 1
@@ -220,7 +228,9 @@ class SaguaroMetrics:
                 f"{100 * self.plain_rounds / max(rounds, 1):.0f}%, draft idle in "
                 f"{100 * self.idle_rounds / max(rounds, 1):.0f}% (prompt lookup drafts in "
                 f"{100 * self.idle_lookup_rounds / max(rounds, 1):.0f}%), SD on the lent cores in "
-                f"{100 * self.lent_sd_rounds / max(rounds, 1):.0f}%")
+                f"{100 * self.lent_sd_rounds / max(rounds, 1):.0f}%"
+                + (f", valued by the draining batch's span in "
+                   f"{100 * self.drain_rounds / max(rounds, 1):.0f}%" if self.drain_rounds else ""))
 
     def summary(self) -> str:
         failures = (f", draft worker failures {self.draft_failures} (restarts "

@@ -22,13 +22,17 @@ def _once(name: str) -> bool:
 
 
 def to_vllm_speculative_config(value: Any, additional_config: dict | None,
-                               target: str | None = None) -> tuple[dict, dict]:
+                               target: str | None = None,
+                               offline: bool = False) -> tuple[dict, dict]:
     """Saguaro config (path or dict) -> what vLLM's SpeculativeConfig accepts + plugin settings.
 
     SpeculativeConfig forbids unknown methods and keys, so the plugin rides on the
     ``custom_class`` method and carries its own settings in ``additional_config``.
     Everything that can be checked before an engine process starts is checked here, in
-    the user's process (the draft's checkpoint against the `target`, its device).
+    the user's process (the draft's checkpoint against the `target`, its device), and
+    what only this process knows is decided: the controller's objective 'auto' becomes
+    'span' for an engine of vLLM's LLM class (`offline`: its caller waits for the whole
+    batch), 'tokens' otherwise.
     """
     from vllm_saguaro.config import SaguaroConfigError, load_config
     from vllm_saguaro.draft.model import check_draft_checkpoint
@@ -40,6 +44,10 @@ def to_vllm_speculative_config(value: Any, additional_config: dict | None,
     except ValueError as err:
         raise SaguaroConfigError(str(err)) from None
     cfg = place_draft(cfg)
+    if cfg.controller.objective == "auto":
+        controller = cfg.controller.model_copy(
+            update={"objective": "span" if offline else "tokens"})
+        cfg = cfg.model_copy(update={"controller": controller})
     extra = dict(additional_config or {})
     extra["saguaro"] = cfg.to_json_dict()
     spec = {"method": "custom_class", "model": PROPOSER_PATH,
@@ -90,20 +98,30 @@ def patch_engine_args() -> None:
 
     EngineArgs.create_speculative_config is the one place all entry points (LLM, serve,
     AsyncLLM) turn the user's value into a SpeculativeConfig; we translate just before.
+    create_engine_config, which calls it, is the one that knows the entry point (its
+    usage_context): whether the caller waits for a whole batch (to_vllm_speculative_config
+    `offline`).
     """
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
 
     if not _once("engine_args"):
         return
     from vllm_saguaro.config import is_saguaro_spec, looks_like_config_path
 
     original = EngineArgs.create_speculative_config
+    create_engine_config = EngineArgs.create_engine_config
+
+    def create_engine_config_noting_entry(self, usage_context=None, *args, **kwargs):
+        self._saguaro_offline = usage_context == UsageContext.LLM_CLASS
+        return create_engine_config(self, usage_context, *args, **kwargs)
 
     def create_speculative_config(self, *args, **kwargs):
         spec = self.speculative_config
         if spec is not None and is_saguaro_spec(spec):
             self.speculative_config, self.additional_config = to_vllm_speculative_config(
-                spec, self.additional_config, self.model)
+                spec, self.additional_config, self.model,
+                offline=getattr(self, "_saguaro_offline", False))
         elif looks_like_config_path(spec):
             from vllm_saguaro.config import read_config_file
 
@@ -111,6 +129,7 @@ def patch_engine_args() -> None:
         return original(self, *args, **kwargs)
 
     EngineArgs.create_speculative_config = create_speculative_config
+    EngineArgs.create_engine_config = create_engine_config_noting_entry
 
 
 def parse_speculative_config_arg(value: str) -> dict | str:
@@ -144,6 +163,16 @@ def patch_cli_parser() -> None:
     EngineArgs.add_cli_args = staticmethod(add_cli_args)
 
 
+def tokens_left(request, num_tokens: int, max_model_len: int) -> int:
+    """The most tokens a request (the runner's CachedRequestState) may still produce: its
+    max_tokens, or the model's length, whichever ends it first."""
+    left = max_model_len - num_tokens
+    max_tokens = request.sampling_params.max_tokens
+    if max_tokens is not None:
+        left = min(left, max_tokens - len(request.output_token_ids))
+    return max(left, 0)
+
+
 def patch_runner_propose() -> None:
     """Why: a custom_class drafter gets no request ids and no finished requests.
 
@@ -167,12 +196,18 @@ def patch_runner_propose() -> None:
         batch = self.input_batch
         req_ids = list(batch.req_ids)
         finished = set()  # noted by execute_model below, on every step
+        # where no request waits (patch_scheduler_waiting), the tokens each row has left:
+        # the controller's 'span' objective values a draining batch by its last row
+        left = None
+        if getattr(scheduler_output, "saguaro_waiting", None) == 0:
+            left = [tokens_left(self.requests[rid], int(batch.num_tokens_no_spec[row]),
+                                self.max_model_len) for row, rid in enumerate(req_ids)]
         # vLLM's scheduler picks K from num_speculative_tokens_per_batch_size (if set) for
         # this step's batch size: the most tokens a row may send; the controller picks below
         drafts, probs = drafter.propose_round(
             req_ids, batch.num_tokens_no_spec, batch.token_ids_cpu, sampled_token_ids,
             finished, lambda rid: sampling_spec(self.requests[rid].sampling_params),
-            k_cap=getattr(scheduler_output, "num_spec_tokens_to_schedule", None))
+            k_cap=getattr(scheduler_output, "num_spec_tokens_to_schedule", None), left=left)
         # The q the draft sampled from reaches the rejection sampler (next step's _sample
         # reads these two fields); None = greedy drafts, verified with q one-hot.
         self._draft_probs = probs
@@ -197,6 +232,26 @@ def patch_runner_propose() -> None:
         return execute(self, scheduler_output, *args, **kwargs)
 
     GPUModelRunner.execute_model = execute_model
+
+
+def patch_scheduler_waiting() -> None:
+    """Why: the controller's 'span' objective (core/span.py) values a batch that drains,
+    where no request waits to take a finished one's place, by when its last row
+    finishes; the runner sees only the requests scheduled. The scheduler's output
+    carries how many wait (`saguaro_waiting`, the count vLLM's own stats report); it
+    reaches the worker with the output (pickled with it to a worker process)."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    if not _once("scheduler_waiting"):
+        return
+    schedule = Scheduler.schedule
+
+    def schedule_noting_waiting(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        out.saguaro_waiting = self.get_request_counts()[1]
+        return out
+
+    Scheduler.schedule = schedule_noting_waiting
 
 
 def patch_drafts_ride_the_output() -> None:
@@ -887,6 +942,7 @@ def apply_all() -> None:
     patch_engine_args()
     patch_cli_parser()
     patch_runner_propose()
+    patch_scheduler_waiting()
     patch_drafts_ride_the_output()
     patch_triton_dispatcher()
     patch_cpu_rejection_sampler_expand()

@@ -60,6 +60,15 @@ PROBE_ROUNDS = 2 * STEPS_SENT
 # not pay after all (its catch-up, its own measures), and each wake resyncs the batch.
 LOOKUP_REWAKE_S = 10.0
 LOOKUP_ROWS = 4  # rows a step whose text the idle's LookupWatch looks at
+# An idle does not end (the batch shrank, a recheck is due, the text woke it) while no
+# request waits and every row of the batch has fewer tokens left than this: the draft,
+# woken, first catches up every row's sequence on its cores, and the cores lent to the
+# target go back, for a few steps of speculation at most. Traced at batch 4 (MT-Bench,
+# T = 0; issue 19's twenty-third round): rows that finished a step or three apart
+# shrank the batch to 3 and 2 rows with 0-3 tokens left, and the draft was woken 2-3
+# times a batch of prompts, each a round of catching up; those batches ran 0.90-0.96x
+# plain decoding.
+WAKE_MIN_LEFT = 16
 
 
 def channel_backend(cfg: SaguaroConfig, target_device) -> str | None:
@@ -259,7 +268,7 @@ class SaguaroProposer:
 
     def propose_round(self, req_ids: list[str], num_tokens, token_ids_cpu,
                       sampled_token_ids: list[list[int]], finished: set[str],
-                      sampling_of, k_cap: int | None = None
+                      sampling_of, k_cap: int | None = None, left: list[int] | None = None
                       ) -> tuple[list[list[int]], torch.Tensor | None]:
         """One round: send each request's outcome (or its tokens on a resync), get drafts
         of 0..K tokens per row.
@@ -268,7 +277,9 @@ class SaguaroProposer:
         q [rows, K, V] the verifier must use (one-hot rows for greedy requests, which the
         rejection sampler verifies by argmax anyway; rows past a draft's length unused).
         sampling_of(req_id) gives a new request's SamplingSpec; k_cap: the most tokens a
-        row may send this step (vLLM's num_speculative_tokens_per_batch_size).
+        row may send this step (vLLM's num_speculative_tokens_per_batch_size); left: the
+        tokens each row has left where no request waits (None: some do, or unknown),
+        for the controller's 'span' objective (core/span.py).
         """
         if self.supervisor is None:
             self.load_model()
@@ -299,12 +310,16 @@ class SaguaroProposer:
         arriving = joined and not any(rid in self.mirror for rid in req_ids)
         woken = self._watch_lookup(sampled_token_ids, num_tokens, token_ids_cpu,
                                    None if looked_up is None else looked_up[0])
-        if self._idle(req_ids, decoding, finished, arriving, woken):
+        if self._idle(req_ids, decoding, finished, arriving, woken, left):
             drafts = [[] for _ in req_ids]
             if self._idle_lookup is not None and looked_up is not None:
                 made, greedy = looked_up
+                span = (left if left is not None and self.cfg.controller.objective == "span"
+                        else None)
+                if span is not None:
+                    self.metrics.record_drain_round()
                 lengths = self._idle_lookup.lengths(
-                    req_ids, [None if d is None else d.n for d in made], greedy, cap)
+                    req_ids, [None if d is None else d.n for d in made], greedy, cap, span)
                 drafts = [d.tokens[:n] if n else [] for d, n in zip(made, lengths)]
             self._width = (decoding + sum(map(len, drafts))) if decoding == len(req_ids) else None
             self._drafted = self._looked_up = any(drafts)
@@ -500,12 +515,14 @@ class SaguaroProposer:
         return self._lookup.shows(self._wake_share)
 
     def _idle(self, req_ids: list[str], decoding: int, finished: set[str],
-              arriving: bool = False, woken: bool = False) -> bool:
+              arriving: bool = False, woken: bool = False, left: list[int] | None = None
+              ) -> bool:
         """Stay away from the draft while the controller said speculation cannot pay at a
         batch this large; wake when the batch shrinks to where it could, or to recheck
         (after the advice's recheck_s, or where it says new_text once the batch holds
         only requests that joined since, or once the text's lookup matches show its
-        wake_share: `woken`).
+        wake_share: `woken`); not while no request waits and every row is within
+        WAKE_MIN_LEFT tokens of its end (`left`, the tokens each row has left).
         The batch counts the requests still prefilling: while a batch is arriving (its
         requests join a few at a time) the draft stays idle and the cores stay lent.
         A round in which a batch arrives (requests joined, and the draft holds none of
@@ -536,8 +553,9 @@ class SaguaroProposer:
             recheck = (time.monotonic() - self._idle_since >= self._recheck_s
                        or (self._idle_ids is not None and not self._idle_ids & set(req_ids))
                        or woken)
-        if len(req_ids) > self.idle_above and not recheck:
-            self._gone |= finished
+        if (len(req_ids) > self.idle_above and not recheck
+                or left is not None and max(left, default=0) < WAKE_MIN_LEFT):
+            self._gone |= finished  # (WAKE_MIN_LEFT: a draining batch near its end)
             return True
         if woken:
             self._lookup_woke = time.monotonic()

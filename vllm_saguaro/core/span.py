@@ -1,0 +1,80 @@
+"""What speculation is worth to a batch that drains: the caller waits for every request
+of the batch (offline `LLM.generate`) and none waits to take a finished one's place.
+
+The controller's usual objective, the batch's expected tokens per second, counts a token
+accepted in any row as worth the same: right where a finished request's place goes to
+the next (a queue), or where each request's own latency is what counts (a server: the
+sum of the requests' rates). A draining batch ends with its last row, and its rows
+share every step: a token accepted in a row the batch does not wait for saves no step.
+Measured (issue 19, twenty-third round; MT-Bench, batch 4, T = 0, 64 tokens a request):
+the idle's lookup drafts were accepted for 14-21 tokens a batch, mostly in the rows
+whose text repeats, and the batch still took 63-64 steps where plain decoding took
+64-65; every round of them paid its verification's extra width, and speculation ran
+0.95x plain decoding.
+
+Which rows the batch waits for: row n, with r_n tokens left and accepting g_n tokens a
+round on average (its pace: what its drafts are expected to give, over its recent
+rounds, sent or not), finishes in about S_n = r_n / (1 + g_n) steps; the rows within a
+step or two (SPAN_TIE_STEPS, SPAN_TIE_SHARE) of the longest S are the ones the batch waits for, k of them.
+Under plain decoding on the line t(w) = fixed + per_token * w, rows with r_n tokens left
+finish after
+
+  T = fixed * max_n r_n + per_token * sum_n r_n,
+
+so a token accepted in one of the k rows the batch waits for is worth fixed / k of a
+step (the k rows need it alike), one in any other row per_token (the later steps
+narrow). With every row alike (k = batch: text that repeats in every row) that is the
+tokens-per-second objective's worth, fixed / batch + per_token; with one row it is a
+whole step, as at batch 1. Myopic, as the rest of the controller; budgets (max_tokens)
+are what the engine knows, and a request that ends early on its stop token only ends
+sooner.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+# Rows whose finishing steps S_n are within SPAN_TIE_STEPS + SPAN_TIE_SHARE x the
+# longest of it count as the ones the batch waits for: the paces are estimates, and
+# rows that close are as likely to be the last.
+SPAN_TIE_STEPS = 1.0
+SPAN_TIE_SHARE = 0.05
+
+
+def waited_for(left: list[int], pace: list[float]) -> list[bool]:
+    """The rows the draining batch waits for: left[n] tokens, pace[n] accepted a round."""
+    steps = [r / (1.0 + max(g, 0.0)) for r, g in zip(left, pace)]
+    last = max(steps, default=0.0)
+    return [s >= last - SPAN_TIE_STEPS - SPAN_TIE_SHARE * last for s in steps]
+
+
+def span_lengths(alphas: list[tuple[float, ...] | None], left: list[int], pace: list[float],
+                 plain_line: tuple[float, float], verify_s: Callable[[int], float],
+                 margin: float) -> list[int]:
+    """The lengths that finish the draining batch soonest: alphas[n], the acceptance of
+    each token row n may send (None: it sends nothing); the batch's best m tokens by
+    their worth (waited_for) for every m, the best m kept. All 0 unless it saves
+    `margin` of a plain step."""
+    batch = len(alphas)
+    lengths = [0] * batch
+    if not batch:
+        return lengths
+    fixed, per_token = plain_line
+    waited = waited_for(left, pace)
+    worth = [fixed / sum(waited) * w + per_token for w in waited]
+    items = []  # (seconds saved, row): each row's tokens in order, worth x P(accepted)
+    for n, a in enumerate(alphas):
+        alive = 1.0
+        for x in a or ():
+            alive *= x
+            items.append((worth[n] * alive, n))
+    items.sort(key=lambda item: -item[0])
+    plain_s = fixed + per_token * batch
+    saved, best, best_m = 0.0, margin * plain_s, 0
+    for m, (value, _) in enumerate(items, 1):
+        saved += value
+        gain = saved - (verify_s(batch + m) - plain_s)
+        if gain > best:
+            best, best_m = gain, m
+    for _, n in items[:best_m]:
+        lengths[n] += 1
+    return lengths
