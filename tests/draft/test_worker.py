@@ -1206,6 +1206,30 @@ def test_ssd_is_explored_where_sd_on_the_lent_cores_is_chosen(tiny_target, hf):
     assert not pinned._ssd_explore_due(1)
 
 
+def test_an_exploration_of_ssd_ends_once_what_it_gave_is_surely_below(tiny_target):
+    """An exploration of SSD (SSD_EXPLORE_ROUNDS) ends early once what SSD gave at its
+    batch size is surely below what the idle gives there (RealizedRate.bounds against
+    _idle_bar); while it is not known, or not surely below, it goes on."""
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    w._ssd_explored = {}
+    plain = w._idle_bar(1, w._plain_s())
+    w._start_ssd_exploration(1, 40)
+    assert w._ssd_exploration_goes_on(1)  # nothing measured yet
+    now = time.perf_counter()
+    for i in range(w.realized.rounds_needed(1)):  # gave ~1.2x the idle's: goes on
+        w.realized.observe(1, 2, 2.0 / (plain * (1.2 + 0.02 * (i % 2))), now)
+    assert w._ssd_exploration_goes_on(1) and w.stats.ssd_explores_cut == 0
+    w.realized.forget(1)
+    for i in range(w.realized.rounds_needed(1)):  # gave ~0.6x: surely below, it ends
+        w.realized.observe(1, 2, 2.0 / (plain * (0.6 + 0.02 * (i % 2))), now)
+    assert not w._ssd_exploration_goes_on(1) and w._ssd_explore == 0
+    assert w.stats.ssd_explores_cut == 1
+    assert not w._ssd_exploration_goes_on(1)  # ended: not counted twice
+    assert w.stats.ssd_explores_cut == 1
+
+
 def test_ssd_and_sd_on_the_lent_cores_both_measured_choose_by_what_they_gave(tiny_target):
     """Where both regimes were measured at this batch size lately (an exploration of
     SSD), the choice goes by what they gave, whatever the models say: SD on the lent
