@@ -34,19 +34,20 @@ def idle_proposer(limit):
     return p
 
 
-def test_a_draining_batch_near_its_end_does_not_wake_the_draft():
-    """The batch shrank to where speculation could pay, or a recheck is due: the draft
-    is woken, unless no request waits and every row is within WAKE_MIN_LEFT tokens of
-    its end (its catch-up would cost more than the few steps could give)."""
+def test_a_draining_batch_near_its_end_does_not_wake_the_draft_as_it_shrinks():
+    """The batch shrank to where speculation could pay: the draft is woken, unless no
+    request waits and every row is within WAKE_MIN_LEFT tokens of its end (its catch-up
+    would cost more than the few steps could give). A recheck still wakes it."""
     near = [mod.WAKE_MIN_LEFT - 1, 3]
     p = idle_proposer(2)
     assert p._idle(ids(2), 2, {"x"}, left=near) and p.idle_above == 2 and p._gone == {"x"}
-    p._idle_since -= mod.IDLE_RECHECK_S  # a recheck due: still not
-    assert p._idle(ids(4), 4, set(), left=near + near)
-    assert p._idle(ids(4), 4, set(), woken=True, left=near + near)
     assert not p._idle(ids(2), 2, set(), left=[mod.WAKE_MIN_LEFT, 3])  # one row far from it
     p = idle_proposer(2)
     assert not p._idle(ids(2), 2, set())  # requests waiting (left unknown): woken
+    for woken in (False, True):  # a recheck due, or the text woke it: woken near the end too
+        p = idle_proposer(2)
+        p._idle_since -= 0 if woken else mod.IDLE_RECHECK_S
+        assert not p._idle(ids(4), 4, set(), woken=woken, left=near + near)
 
 
 def test_idle_rounds_skip_the_draft_and_keep_the_finished():

@@ -60,10 +60,11 @@ PROBE_ROUNDS = 2 * STEPS_SENT
 # not pay after all (its catch-up, its own measures), and each wake resyncs the batch.
 LOOKUP_REWAKE_S = 10.0
 LOOKUP_ROWS = 4  # rows a step whose text the idle's LookupWatch looks at
-# An idle does not end (the batch shrank, a recheck is due, the text woke it) while no
-# request waits and every row of the batch has fewer tokens left than this: the draft,
-# woken, first catches up every row's sequence on its cores, and the cores lent to the
-# target go back, for a few steps of speculation at most. Traced at batch 4 (MT-Bench,
+# An idle does not end because the batch shrank while no request waits and every row of
+# the batch has fewer tokens left than this: the draft, woken, first catches up every
+# row's sequence on its cores, and the cores lent to the target go back, for a few steps
+# of speculation at most (a recheck still ends it: at batch 1 a few steps of SD can
+# repay its catch-up of one sequence). Traced at batch 4 (MT-Bench,
 # T = 0; issue 19's twenty-third round): rows that finished a step or three apart
 # shrank the batch to 3 and 2 rows with 0-3 tokens left, and the draft was woken 2-3
 # times a batch of prompts, each a round of catching up; those batches ran 0.90-0.96x
@@ -521,8 +522,8 @@ class SaguaroProposer:
         batch this large; wake when the batch shrinks to where it could, or to recheck
         (after the advice's recheck_s, or where it says new_text once the batch holds
         only requests that joined since, or once the text's lookup matches show its
-        wake_share: `woken`); not while no request waits and every row is within
-        WAKE_MIN_LEFT tokens of its end (`left`, the tokens each row has left).
+        wake_share: `woken`); not on a shrink while no request waits and every row is
+        within WAKE_MIN_LEFT tokens of its end (`left`, the tokens each row has left).
         The batch counts the requests still prefilling: while a batch is arriving (its
         requests join a few at a time) the draft stays idle and the cores stay lent.
         A round in which a batch arrives (requests joined, and the draft holds none of
@@ -553,8 +554,8 @@ class SaguaroProposer:
             recheck = (time.monotonic() - self._idle_since >= self._recheck_s
                        or (self._idle_ids is not None and not self._idle_ids & set(req_ids))
                        or woken)
-        if (len(req_ids) > self.idle_above and not recheck
-                or left is not None and max(left, default=0) < WAKE_MIN_LEFT):
+        if not recheck and (len(req_ids) > self.idle_above or left is not None
+                            and max(left, default=0) < WAKE_MIN_LEFT):
             self._gone |= finished  # (WAKE_MIN_LEFT: a draining batch near its end)
             return True
         if woken:
