@@ -34,6 +34,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+from vllm_saguaro.core.controller import _prefix_probs
+
 # Rows whose finishing steps S_n are within SPAN_TIE_STEPS + SPAN_TIE_SHARE x the
 # longest of it count as the ones the batch waits for: the paces are estimates, and
 # rows that close are as likely to be the last.
@@ -62,13 +64,10 @@ def span_lengths(alphas: list[tuple[float, ...] | None], left: list[int], pace: 
     fixed, per_token = plain_line
     waited = waited_for(left, pace)
     worth = [fixed / sum(waited) * w + per_token for w in waited]
-    items = []  # (seconds saved, row): each row's tokens in order, worth x P(accepted)
-    for n, a in enumerate(alphas):
-        alive = 1.0
-        for x in a or ():
-            alive *= x
-            items.append((worth[n] * alive, n))
-    items.sort(key=lambda item: -item[0])
+    # (seconds saved, row): each row's tokens in order, worth x P(accepted); the sort is
+    # stable, so a row's tokens stay in order where they tie
+    items = sorted(((worth[n] * p, n) for n, a in enumerate(alphas)
+                    for p in _prefix_probs(a or ())), key=lambda item: -item[0])
     plain_s = fixed + per_token * batch
     saved, best, best_m = 0.0, margin * plain_s, 0
     for m, (value, _) in enumerate(items, 1):
