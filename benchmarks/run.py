@@ -228,6 +228,9 @@ def plan_systems(s: Settings) -> list[System]:
                     # pre-speculation only: never SD on the lent cores (regime auto,
                     # the default, takes it where the controller expects it faster)
                     System("ssd", k, budget=s.budget, regime="ssd"),
+                    # SD on the lent cores pinned (regime lent_sd): what tune's step 2b
+                    # measures, against plain decoding within one start (benchmarks.paired)
+                    System("ssd", k, budget=s.budget, regime="lent_sd"),
                     # no lookup drafts of the proposer's own while the draft idles
                     System("ssd", k, budget=s.budget, idle_lookup=False)]
     if s.systems:

@@ -27,6 +27,8 @@ def test_tune_writes_a_valid_recommended_config(tmp_path, tiny_target, tiny_draf
     assert "Initializing a V1 LLM engine" in log and "vllm_saguaro" in log
     for text in (proc.stdout, proc.stderr):
         assert "Initializing a V1 LLM engine" not in text and " INFO " not in text
+        # the weights' loading bar, and what the draft's process logs as it imports vLLM
+        assert "Loading safetensors" not in text and "Triton is installed" not in text
     result = json.loads(js.read_text())
     costs = result["costs"]
     assert costs["target_fixed_s"] > 0 and costs["target_per_token_s"] >= 0
@@ -36,6 +38,11 @@ def test_tune_writes_a_valid_recommended_config(tmp_path, tiny_target, tiny_draf
     assert len(result["predictions"]) == 2 * 2 * (2 + (lent is not None))
     if lent is not None:
         assert lent["lent_sd_fixed_s"] > 0 and lent["borrowed_draft_fixed_s"] > 0
+        # step 2b: what SD on the lent cores gives, per batch size
+        assert set(result["lent_sd_tok_s"]) == {"1", "2"}
+        assert all(r and min(r) > 0 for r in result["lent_sd_tok_s"].values())
+    else:
+        assert result["lent_sd_tok_s"] is None
     assert set(result["regimes"].values()) <= {"plain", "ssd", "lent_sd"}
     assert all(r["speedup"] > 0 for r in result["predictions"])
     # --check: the config and the target alone twice each (step 0 the alone's first)

@@ -54,6 +54,29 @@ def test_sd_on_the_lent_cores_is_predicted_and_chosen_where_it_leads():
     assert all(r["system"] != "lent SD" for r in tune.predict(COSTS, hits, [3], alone))
 
 
+def test_what_sd_on_the_lent_cores_was_measured_to_give_bounds_its_model():
+    hits = {1: {"hit_rate": 0.5}, 4: {"hit_rate": 0.4}}
+    alone = {b: b / (0.036 + 0.0035 * b) for b in (1, 4)}
+    # a verification cheap in its width: the model puts the regime ahead at batch 4 too
+    rows = tune.predict(COSTS, hits, [1, 2, 3], alone, {**LENT, "lent_sd_per_token_s": 0.001})
+    model = {b: tune.with_controller(rows, b, 3) for b in (1, 4)}
+    assert model[4][0] == "lent_sd" and model[4][1] > 1.05
+    # step 2b: the regime ran below the target alone at batch 4: plain decoding there
+    lent_rates = {1: [alone[1] * 1.5, alone[1] * 1.6], 4: [alone[4] * 0.85, alone[4] * 0.95]}
+    measured = tune.measured_ranges(lent_rates, alone)
+    assert measured["lent SD"][4] == pytest.approx((0.85, 0.95))
+    assert tune.with_controller(rows, 4, 3, measured=measured) == ("plain", 1.0)
+    # and above its model at batch 1: the measurement's slowest batch, not the model
+    regime, speedup = tune.with_controller(rows, 1, 3, measured=measured)
+    assert model[1][1] < 1.5 and (regime, speedup) == ("lent_sd", pytest.approx(1.5))
+    # a model inside the measured range stands
+    wide = {"lent SD": {4: (0.5, 3.0)}}
+    assert tune.with_controller(rows, 4, 3, measured=wide) == model[4]
+    k, expected = tune.recommend(rows, [1, 2, 3], measured=measured)
+    assert expected == {1: pytest.approx(1.5), 4: 1.0}
+    assert tune.measured_ranges(None, alone) == {}
+
+
 def test_recommend_prefers_the_smaller_k_on_ties():
     rows = [{"batch": 1, "k": k, "system": "SSD", "speedup": 0.5} for k in (1, 2, 3)]
     assert tune.recommend(rows, [1, 2, 3]) == (1, {1: 1.0})

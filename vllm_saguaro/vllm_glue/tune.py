@@ -15,6 +15,9 @@ Five measured steps, each one engine started as a user starts it (multiprocess):
               and what a speculating round costs beyond the target's step and the
               fallback (the draft's reply crossing, a pre-speculation that overran, the
               target's step running slower beside the working draft).
+  2b. lent SD (CPU, where step 1b could lend the cores) SD on the lent cores pinned, the
+              controller choosing each row's length as it does under auto: what that
+              regime gives per batch size, tok/s.
   3. check    (--check) the recommended config and the target alone, --starts engine
               starts each in turn (step 0 counts as the alone's first), pooled: the
               measured speedup next to the one predicted over the pooled target alone.
@@ -23,8 +26,11 @@ hit rate and the round's overhead measured at the configured K and budget held f
 other K). Plain decoding under the plugin counts as the target alone (on CPU the draft's
 cores are lent to it). "With the controller" is what controller.regime auto settles on
 at each batch size (core/controller.py auto_regime): plain decoding, SSD, or SD on the
-lent cores, with the best length up to K. Budget and C are measured as configured, not
-searched (each needs its own run; benchmarks/c_sweep.py sweeps C).
+lent cores, with the best length up to K, each regime's model moved into what step 2b
+measured it to give where it was measured (measured_ranges), as the draft worker does
+with what each regime gave (core/controller.py RealizedRate.clamp). Budget and C are
+measured as configured, not searched (each needs its own run; benchmarks/c_sweep.py
+sweeps C).
 """
 from __future__ import annotations
 
@@ -41,7 +47,7 @@ import yaml
 from vllm_saguaro.core.controller import StepCost, auto_regime
 from vllm_saguaro.core.placement import BIND_ENV, swap_environ
 from vllm_saguaro.core.theory import sd_rate, ssd_rate
-from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
+from vllm_saguaro.vllm_glue.vllm_logs import send_engine_stderr_to, send_vllm_logs_to
 
 # Prompts when the user gives none: mixed chat and code, like the reference pair's sets.
 DEFAULT_PROMPTS = [
@@ -80,7 +86,8 @@ def engine(target: str, spec: dict | None, args):
 
     llm = LLM(model=target, speculative_config=spec, enforce_eager=True,
               max_model_len=args.max_model_len, max_num_seqs=max(args.batches),
-              dtype=args.dtype, disable_log_stats=False)  # per-request timestamps
+              dtype=args.dtype, disable_log_stats=False,  # per-request timestamps
+              use_tqdm_on_load=False)  # vLLM's loading bar ignores TQDM_DISABLE
     llm.generate(["Warm up."], SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     return llm
 
@@ -243,6 +250,29 @@ def measure_hits(args, prompts, costs: dict) -> dict[int, dict]:
     return out
 
 
+def measure_lent_rates(args, prompts) -> dict[int, list[float]]:
+    """Step 2b (CPU, where step 1b could lend the draft's cores): SD on the lent cores
+    pinned (controller.regime lent_sd), each row's length the controller's choice as
+    under auto: decode tok/s per batch size, one per batch of prompts. Its model (one
+    a_p for every position, the lines of step 1b) was measured to run high at batch 4:
+    1.09x the target alone predicted, where the regime ran 0.87x plain decoding on
+    MT-Bench and 1.06x on HumanEval (issue 19's twenty-fourth round), and auto, which
+    follows what the regime gives, decoded plainly there."""
+    spec = base_spec(args, controller={"regime": "lent_sd"})
+    return measure_rates(args, prompts, spec, "lent SD")
+
+
+def measured_ranges(lent_rates: dict[int, list[float]] | None,
+                    alone: dict[int, float]) -> dict[str, dict[int, tuple[float, float]]]:
+    """What step 2b measured, as speedups over the target alone: per batch size the
+    slowest and the fastest batch of prompts (the measurement's spread, what it cannot
+    rule out)."""
+    if not lent_rates:
+        return {}
+    return {"lent SD": {b: (min(r) / alone[b], max(r) / alone[b])
+                        for b, r in lent_rates.items() if r and b in alone}}
+
+
 def predict(costs: dict, hits: dict[int, dict], ks: list[int],
             alone: dict[int, float], lent: dict | None = None) -> list[dict]:
     """Every (batch, K, system) with its predicted speedup over the target alone: SD and
@@ -272,27 +302,34 @@ def predict(costs: dict, hits: dict[int, dict], ks: list[int],
     return rows
 
 
-def with_controller(rows: list[dict], batch: int, k: int, plain: float = 1.0
+def with_controller(rows: list[dict], batch: int, k: int, plain: float = 1.0,
+                    measured: dict[str, dict[int, tuple[float, float]]] | None = None
                     ) -> tuple[str, float]:
     """What controller.regime auto settles on at this batch size with K = k (the best
     length up to k of SSD and of SD on the lent cores, or plain decoding at speedup
-    `plain`), and its predicted speedup (core/controller.py auto_regime)."""
+    `plain`), and its predicted speedup (core/controller.py auto_regime). measured: a
+    regime's measured range per batch size (measured_ranges), into which its model's
+    best is moved, as the worker clamps its models to what each regime gave."""
     def best(system: str) -> float | None:
-        return max((r["speedup"] for r in rows if r["batch"] == batch
-                    and r["system"] == system and r["k"] <= k), default=None)
+        model = max((r["speedup"] for r in rows if r["batch"] == batch
+                     and r["system"] == system and r["k"] <= k), default=None)
+        span = (measured or {}).get(system, {}).get(batch)
+        return model if model is None or span is None else min(max(model, span[0]), span[1])
 
     return auto_regime(best("SSD") or 0.0, best("lent SD"), plain)
 
 
-def recommend(rows: list[dict], ks: list[int], plain: float = 1.0) -> tuple[int, dict[int, float]]:
+def recommend(rows: list[dict], ks: list[int], plain: float = 1.0,
+              measured: dict[str, dict[int, tuple[float, float]]] | None = None
+              ) -> tuple[int, dict[int, float]]:
     """K for the yaml: the controller may send fewer at any batch size (0 = plain
     decoding, at speedup `plain`), so K scores the mean over batch sizes of what the
     controller settles on with it (with_controller); ties go to the smaller K."""
     batches = sorted({r["batch"] for r in rows})
-    score = {k: statistics.mean(with_controller(rows, b, k, plain)[1] for b in batches)
-             for k in ks}
+    score = {k: statistics.mean(with_controller(rows, b, k, plain, measured)[1]
+                                for b in batches) for k in ks}
     best = min(ks, key=lambda k: (-round(score[k], 3), k))
-    return best, {b: with_controller(rows, b, best, plain)[1] for b in batches}
+    return best, {b: with_controller(rows, b, best, plain, measured)[1] for b in batches}
 
 
 def write_yaml(path: str, args, k: int, costs: dict) -> dict:
@@ -345,8 +382,9 @@ def parse_args(argv):
                    "recommended config and of the target alone, in turn, pooled (default 2)")
     p.add_argument("--json", help="write every measurement and prediction here")
     p.add_argument("--log-file", help="where vLLM's own log lines go, of every engine tune "
-                   "starts (default: beside --out, NAME.tune.log); the terminal shows "
-                   "tune's progress only")
+                   "starts, with whatever else the engines' processes write to stderr "
+                   "(default: beside --out, NAME.tune.log); the terminal shows tune's "
+                   "progress only")
     args = p.parse_args(argv)
     args.batches = sorted({int(x) for x in args.batches.split(",")})
     args.ks = sorted({int(x) for x in args.ks.split(",")})
@@ -375,6 +413,7 @@ def main(argv=None) -> dict:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     t0 = time.monotonic()
     send_vllm_logs_to(args.log_file)
+    send_engine_stderr_to(args.log_file)
     log(f"vLLM's own log: {args.log_file}")
     prompts = read_prompts(args.prompts, prompts_needed(args.num_prompts, max(args.batches)))
     log(f"target {args.target}, draft {args.draft}, batches {args.batches}, "
@@ -394,30 +433,39 @@ def main(argv=None) -> dict:
             f"{1000 * lent['borrowed_draft_per_row_s']:.2f} ms/row on the borrowed cores; "
             f"round overhead {1000 * (lent['lent_sd_overhead_s'] or 0.0):.1f} ms")
     hits = measure_hits(args, prompts, costs)
+    lent_rates = measure_lent_rates(args, prompts) if lent is not None else None
+    measured = measured_ranges(lent_rates, alone)
     rows = predict(costs, hits, args.ks, alone, lent)
-    k, expected = recommend(rows, args.ks)
+    k, expected = recommend(rows, args.ks, measured=measured)
     print("\npredicted speedup over the target alone as measured in step 0 (budget "
           f"{args.budget}, C {args.saguaro_c}; hit rates and round overhead measured at "
           f"K={args.k}; lent SD: SD on the lent cores):")
     systems = ["SD", "SSD"] + (["lent SD"] if lent is not None else [])
     print("batch | " + " | ".join(f"{name} K{x}" for name in systems for x in args.ks)
           + f" | with the controller at K={k}")
-    settled = {b: with_controller(rows, b, k) for b in args.batches}
+    settled = {b: with_controller(rows, b, k, measured=measured) for b in args.batches}
     for b in args.batches:
         cells = [r["speedup"] for name in systems for r in rows
                  if r["batch"] == b and r["system"] == name]
         regime, speedup = settled[b]
         print(f"{b:5d} | " + " | ".join(f"{x:.2f}" for x in cells)
               + f" | {speedup:.2f} ({regime})")
+    if measured:
+        print("with the controller: each regime's model moved into what it was measured to "
+              "give (lent SD, step 2b: " + ", ".join(
+                  f"batch {b} {lo:.2f}-{hi:.2f}x" for b, (lo, hi) in measured["lent SD"].items())
+              + ")")
     cfg = write_yaml(args.out, args, k, costs)
     log(f"recommended K={k} (the controller picks 0..K per sequence and step): {args.out}")
     result = {"alone_tok_s": alone, "costs": costs, "lent": lent, "hits": hits,
+              "lent_sd_tok_s": lent_rates,
               "predictions": rows, "recommended_k": k, "expected": expected,
               "regimes": {b: regime for b, (regime, _) in settled.items()},
               "config": cfg}
     if args.check:
         ssd, alone = check(args, cfg, prompts, alone_starts)
-        _, expected = recommend(predict(costs, hits, [k], alone, lent), [k])  # over the pooled
+        _, expected = recommend(predict(costs, hits, [k], alone, lent), [k],  # over the pooled
+                                measured=measured_ranges(lent_rates, alone))
         measured = {b: ssd[b] / alone[b] for b in args.batches}
         result.update(measured=measured, expected_pooled=expected, alone_pooled_tok_s=alone,
                       check_tok_s=ssd)

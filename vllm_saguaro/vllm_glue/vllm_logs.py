@@ -31,3 +31,21 @@ def send_vllm_logs_to(path: str) -> None:
     os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
     os.environ["TQDM_DISABLE"] = "1"
     logging.config.dictConfig(config)  # this process's vLLM loggers, if already set up
+
+
+def send_engine_stderr_to(path: str) -> None:
+    """What the engine processes started after this write to stderr goes to `path`
+    (appended): a process inherits its stderr, and not all of it is vLLM's logger. Seen
+    in tune's terminal with send_vllm_logs_to alone, at every engine start: what vLLM's
+    modules log as an engine process imports them, before it configures logging
+    ("Triton is installed, but doesn't include CPU backend"), Python's FutureWarnings,
+    and torch's C++ NUMA warning. This process's own errors and warnings still reach
+    the terminal (sys.stderr stays there)."""
+    import sys
+
+    sys.stderr.flush()
+    terminal = os.dup(2)
+    fd = os.open(os.path.abspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stderr = os.fdopen(terminal, "w", buffering=1)
