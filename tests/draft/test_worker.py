@@ -1209,7 +1209,8 @@ def test_ssd_is_explored_where_sd_on_the_lent_cores_is_chosen(tiny_target, hf):
 def test_an_exploration_of_ssd_ends_once_what_it_gave_is_surely_below(tiny_target):
     """An exploration of SSD (SSD_EXPLORE_ROUNDS) ends early once what SSD gave at its
     batch size is surely below what the idle gives there (RealizedRate.bounds against
-    _idle_bar); while it is not known, or not surely below, it goes on."""
+    _idle_bar), or below what SD on the lent cores surely gave; while it is not known,
+    or not surely below, it goes on."""
     w = lent_worker(tiny_target, regime="auto")
     w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
     w.prespeculate()
@@ -1228,6 +1229,20 @@ def test_an_exploration_of_ssd_ends_once_what_it_gave_is_surely_below(tiny_targe
     assert w.stats.ssd_explores_cut == 1
     assert not w._ssd_exploration_goes_on(1)  # ended: not counted twice
     assert w.stats.ssd_explores_cut == 1
+    # above the idle's bar but surely below what SD on the lent cores gave: it ends too
+    w.realized.forget(1)
+    for i in range(w.realized.rounds_needed(1)):
+        w.realized.observe(1, 2, 2.0 / (plain * (1.2 + 0.02 * (i % 2))), now)
+    w._start_ssd_exploration(1, 40)
+    assert w._ssd_exploration_goes_on(1)  # SD on the lent cores not measured
+    for i in range(w.lent_sd_realized.rounds_needed(1)):
+        w.lent_sd_realized.observe(1, 2, 2.0 / (plain * (1.6 + 0.02 * (i % 2))), now)
+    assert not w._ssd_exploration_goes_on(1) and w.stats.ssd_explores_cut == 2
+    w.lent_sd_realized.forget(1)  # SD on the lent cores gave as much: it goes on
+    for i in range(w.lent_sd_realized.rounds_needed(1)):
+        w.lent_sd_realized.observe(1, 2, 2.0 / (plain * (1.2 + 0.02 * (i % 2))), now)
+    w._start_ssd_exploration(1, 40)
+    assert w._ssd_exploration_goes_on(1) and w.stats.ssd_explores_cut == 2
 
 
 def test_ssd_and_sd_on_the_lent_cores_both_measured_choose_by_what_they_gave(tiny_target):

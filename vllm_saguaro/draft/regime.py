@@ -479,10 +479,20 @@ class RegimeChoice:
 
     def _ssd_measured_below(self, batch: int) -> bool:
         """SSD measured (RealizedRate.bounds: once it has rounds_needed rounds) surely
-        below what the idle gives at this batch size (_idle_bar), with lent cores."""
+        below what the idle gives at this batch size (_idle_bar), with lent cores, or
+        surely below what SD on the lent cores gave there (its bounds' lower end): the
+        choice after the exploration goes by what the two gave (_weighed_rates), and
+        SSD could not win it. Measured (issue 19, twenty-fourth round): in tune's check
+        at batch 4 an exploration of SSD from SD on the lent cores ran on at SSD's
+        ~0.6x, above neither."""
         plain_s = self._plain_s()
-        b = None if plain_s is None else self.realized.bounds(batch, time.perf_counter())
-        return b is not None and b[1] < self._idle_bar(batch, plain_s)
+        now = time.perf_counter()
+        b = None if plain_s is None else self.realized.bounds(batch, now)
+        if b is None:
+            return False
+        lent = self.lent_sd_realized.bounds(batch, now)
+        bar = self._idle_bar(batch, plain_s)
+        return b[1] < (bar if lent is None else max(bar, lent[0]))
 
     def _ssd_explore_due(self, batch: int) -> bool:
         """Whether this step, chosen SD on the lent cores, starts an exploration of SSD
