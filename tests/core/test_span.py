@@ -1,6 +1,6 @@
 """core/span.py: what speculation is worth to a batch that drains."""
 from vllm_saguaro.core.idle_lookup import lookup_lengths
-from vllm_saguaro.core.span import span_lengths, waited_for
+from vllm_saguaro.core.span import blocks_the_batch, span_lengths, waited_for
 
 PLAIN = (0.040, 0.0005)  # a plain step: 40 ms + 0.5 ms a row (the 2-core CPU's, batch 4)
 MARGIN = 0.05
@@ -33,6 +33,33 @@ def test_a_repeating_row_among_rows_that_do_not_sends_nothing():
     alphas = [(r,) * 3 for r in rates]
     pace = [0.4, 0.0, 0.0, 0.0]
     assert span_lengths(alphas, [60] * 4, pace, PLAIN, verify_s, MARGIN) == [0] * 4
+
+
+def test_a_first_match_beside_rows_that_cannot_accept_saves_no_step():
+    """All four rows at the same pace and steps left (a batch of prose, no row has
+    matched yet): row 0 continues a match for the first time. Rows that have nothing to
+    send and expect less than a token before they end finish on their own count, so row
+    0's tokens are worth per_token only: nothing is sent. Where the other rows are
+    expected to accept a few tokens later (a pace of their own), the k rows share the
+    step as before and row 0 sends."""
+    alphas = [(0.62,) * 3, (0.01,) * 3, (0.01,) * 3, (0.01,) * 3]
+    assert span_lengths(alphas, [60] * 4, [0.0] * 4, PLAIN, verify_s, MARGIN) == [0] * 4
+    pace = [0.0, 0.05, 0.05, 0.05]  # 57 steps each: all four still waited for
+    assert waited_for([60] * 4, pace) == [True] * 4
+    out = span_lengths(alphas, [60] * 4, pace, PLAIN, verify_s, MARGIN)
+    assert out[0] > 0 and out[1:] == [0, 0, 0]
+    # a waited row that continues a match of its own this round blocks nothing
+    both = [(0.62,) * 3, (0.62,) * 3, None, None]
+    assert not any(span_lengths(both, [60, 60, 10, 10], [0.0] * 4, PLAIN, verify_s, MARGIN)[2:])
+    assert sum(span_lengths(both, [60, 60, 10, 10], [0.0] * 4, PLAIN, verify_s, MARGIN)) > 0
+
+
+def test_a_blocker_has_nothing_to_send_and_no_token_to_expect():
+    assert blocks_the_batch(None, 60, 0.0)
+    assert blocks_the_batch((0.01,) * 3, 60, 0.01)  # 0.6 tokens over its 59 steps
+    assert not blocks_the_batch((0.5,) * 3, 60, 0.0)  # sends this round
+    assert not blocks_the_batch(None, 60, 0.05)  # ~2.9 tokens expected before its end
+    assert blocks_the_batch(None, 3, 0.2)  # 0.5 tokens in its last 2.5 steps
 
 
 def test_rows_alike_value_tokens_as_tokens_per_second_does():

@@ -29,18 +29,30 @@ tokens-per-second objective's worth, fixed / batch + per_token; with one row it 
 whole step, as at batch 1. Myopic, as the rest of the controller; budgets (max_tokens)
 are what the engine knows, and a request that ends early on its stop token only ends
 sooner.
+
+fixed / k assumes the k rows share their tokens over what is left of the batch. A row
+among them that has nothing to send this round and is not expected to accept a single
+token before it ends (its pace times its steps left below one: text that does not
+repeat) finishes on its own count of steps whatever the others accept: while it does,
+the others' tokens save none of the batch's steps (a blocker, blocks_the_batch), and are
+worth per_token only. That is the batch's first match in a row of prose beside rows
+that match nothing, before the matching row's pace takes it out of the k.
 """
 from __future__ import annotations
 
 from typing import Callable
 
-from vllm_saguaro.core.controller import _prefix_probs
+from vllm_saguaro.core.controller import _prefix_probs, expected_tokens
 
 # Rows whose finishing steps S_n are within SPAN_TIE_STEPS + SPAN_TIE_SHARE x the
 # longest of it count as the ones the batch waits for: the paces are estimates, and
 # rows that close are as likely to be the last.
 SPAN_TIE_STEPS = 1.0
 SPAN_TIE_SHARE = 0.05
+
+# A waited row's draft this round gives fewer tokens than this, expected: it has nothing
+# to send (blocks_the_batch).
+BLOCKER_TOKENS = 0.1
 
 
 def waited_for(left: list[int], pace: list[float]) -> list[bool]:
@@ -50,20 +62,33 @@ def waited_for(left: list[int], pace: list[float]) -> list[bool]:
     return [s >= last - SPAN_TIE_STEPS - SPAN_TIE_SHARE * last for s in steps]
 
 
+def blocks_the_batch(alphas: tuple[float, ...] | None, left: int, pace: float) -> bool:
+    """Whether a row the batch waits for holds it whatever the others accept: nothing to
+    send this round (alphas None, or fewer than BLOCKER_TOKENS expected) and less than
+    one token expected over its steps left (pace x left / (1 + pace) < 1)."""
+    pace = max(pace, 0.0)
+    sends = alphas is not None and expected_tokens(alphas) >= BLOCKER_TOKENS
+    return not sends and pace * left / (1.0 + pace) < 1.0
+
+
 def span_lengths(alphas: list[tuple[float, ...] | None], left: list[int], pace: list[float],
                  plain_line: tuple[float, float], verify_s: Callable[[int], float],
                  margin: float) -> list[int]:
     """The lengths that finish the draining batch soonest: alphas[n], the acceptance of
     each token row n may send (None: it sends nothing); the batch's best m tokens by
-    their worth (waited_for) for every m, the best m kept. All 0 unless it saves
-    `margin` of a plain step."""
+    their worth (waited_for; per_token alone while a waited row blocks the batch,
+    blocks_the_batch) for every m, the best m kept. All 0 unless it saves `margin` of a
+    plain step."""
     batch = len(alphas)
     lengths = [0] * batch
     if not batch:
         return lengths
     fixed, per_token = plain_line
     waited = waited_for(left, pace)
-    worth = [fixed / sum(waited) * w + per_token for w in waited]
+    blocked = any(w and blocks_the_batch(a, r, g)
+                  for w, a, r, g in zip(waited, alphas, left, pace))
+    share = 0.0 if blocked else fixed / sum(waited)
+    worth = [share * w + per_token for w in waited]
     # (seconds saved, row): each row's tokens in order, worth x P(accepted); the sort is
     # stable, so a row's tokens stay in order where they tie
     items = sorted(((worth[n] * p, n) for n, a in enumerate(alphas)
