@@ -482,9 +482,10 @@ class RegimeChoice:
         below what the idle gives at this batch size (_idle_bar), with lent cores, or
         surely below what SD on the lent cores gave there (its bounds' lower end): the
         choice after the exploration goes by what the two gave (_weighed_rates), and
-        SSD could not win it. Measured (issue 19, twenty-fourth round): in tune's check
-        at batch 4 an exploration of SSD from SD on the lent cores ran on at SSD's
-        ~0.6x, above neither."""
+        SSD could not win it: the rest of the exploration would run below what SD on
+        the lent cores gives. Where SD on the lent cores gives more than the idle, the
+        idle's bar alone let such an exploration run its SSD_EXPLORE_ROUNDS (not
+        measured apart: issue 19, twenty-fourth round)."""
         plain_s = self._plain_s()
         now = time.perf_counter()
         b = None if plain_s is None else self.realized.bounds(batch, now)

@@ -1,7 +1,7 @@
 """``vllm-saguaro tune``: measure a target and a draft, predict each configuration's speedup,
 write the recommended ``saguaro.yaml``.
 
-Five measured steps, each one engine started as a user starts it (multiprocess):
+The measured steps, each one engine started as a user starts it (multiprocess):
   0. alone    the target alone, as the user would run it instead (no speculative config;
               on CPU its threads on every core, alone_binding): decode tok/s per batch
               size, the baseline every speedup is over.
@@ -434,26 +434,26 @@ def main(argv=None) -> dict:
             f"round overhead {1000 * (lent['lent_sd_overhead_s'] or 0.0):.1f} ms")
     hits = measure_hits(args, prompts, costs)
     lent_rates = measure_lent_rates(args, prompts) if lent is not None else None
-    measured = measured_ranges(lent_rates, alone)
+    gave = measured_ranges(lent_rates, alone)
     rows = predict(costs, hits, args.ks, alone, lent)
-    k, expected = recommend(rows, args.ks, measured=measured)
+    k, expected = recommend(rows, args.ks, measured=gave)
     print("\npredicted speedup over the target alone as measured in step 0 (budget "
           f"{args.budget}, C {args.saguaro_c}; hit rates and round overhead measured at "
           f"K={args.k}; lent SD: SD on the lent cores):")
     systems = ["SD", "SSD"] + (["lent SD"] if lent is not None else [])
     print("batch | " + " | ".join(f"{name} K{x}" for name in systems for x in args.ks)
           + f" | with the controller at K={k}")
-    settled = {b: with_controller(rows, b, k, measured=measured) for b in args.batches}
+    settled = {b: with_controller(rows, b, k, measured=gave) for b in args.batches}
     for b in args.batches:
         cells = [r["speedup"] for name in systems for r in rows
                  if r["batch"] == b and r["system"] == name]
         regime, speedup = settled[b]
         print(f"{b:5d} | " + " | ".join(f"{x:.2f}" for x in cells)
               + f" | {speedup:.2f} ({regime})")
-    if measured:
-        print("with the controller: each regime's model moved into what it was measured to "
-              "give (lent SD, step 2b: " + ", ".join(
-                  f"batch {b} {lo:.2f}-{hi:.2f}x" for b, (lo, hi) in measured["lent SD"].items())
+    if gave:
+        print("with the controller: SD on the lent cores' model moved into what step 2b "
+              "measured it to give (" + ", ".join(
+                  f"batch {b} {lo:.2f}-{hi:.2f}x" for b, (lo, hi) in gave["lent SD"].items())
               + ")")
     cfg = write_yaml(args.out, args, k, costs)
     log(f"recommended K={k} (the controller picks 0..K per sequence and step): {args.out}")
