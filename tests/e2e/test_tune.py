@@ -27,7 +27,8 @@ def test_tune_writes_a_valid_recommended_config(tmp_path, tiny_target, tiny_draf
     assert "Initializing a V1 LLM engine" in log and "vllm_saguaro" in log
     for text in (proc.stdout, proc.stderr):
         assert "Initializing a V1 LLM engine" not in text and " INFO " not in text
-        # the weights' loading bar, and what the draft's process logs as it imports vLLM
+        # the weights' loading bar, and what an engine's process logs as it imports vLLM
+        # (before vLLM configures its logging): both go to the log file with its stderr
         assert "Loading safetensors" not in text and "Triton is installed" not in text
     result = json.loads(js.read_text())
     costs = result["costs"]
