@@ -42,7 +42,8 @@ from benchmarks.run import (ENV, Settings, System, chunks, decode_times, diff, e
                             load_prompts, log, make_engine, plan_systems, resolve_models,
                             resolve_preload, snapshot)
 from vllm_saguaro.vllm_glue.offline import shutdown
-from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
+from vllm_saguaro.vllm_glue.vllm_logs import (engine_failures_explained, send_engine_stderr_to,
+                                              send_vllm_logs_to)
 
 # Student's t at 0.95 (a two-sided 90% interval) by degrees of freedom; 1.645 beyond
 T90 = {1: 6.314, 2: 2.920, 3: 2.353, 4: 2.132, 5: 2.015, 6: 1.943, 7: 1.895, 8: 1.860,
@@ -265,7 +266,18 @@ def main(argv=None) -> dict:
         s.head_tokens = HEAD_TOKENS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    send_vllm_logs_to(str(Path(args.log_file) if args.log_file else out / "vllm.log"))
+    log_file = str(Path(args.log_file) if args.log_file else out / "vllm.log")
+    send_vllm_logs_to(log_file)
+    send_engine_stderr_to(log_file)
+    log(f"vLLM's own log: {log_file}")
+    with engine_failures_explained(log_file, "benchmarks.paired"):
+        return measure(args, s, out, cores, batches, temps, argv)
+
+
+def measure(args, s, out: Path, cores: list[int], batches: list[int], temps: list[float],
+            argv) -> dict:
+    """Every batch size's blocks (the plugin's starts, then plain vLLM's), results written
+    after each start."""
     target, draft = resolve_models(args)
     prompts = load_prompts(args, target, s)
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

@@ -34,7 +34,8 @@ from pathlib import Path
 
 from vllm_saguaro.core.placement import BIND_ENV, compute_threads, swap_environ
 from vllm_saguaro.vllm_glue.offline import engine_report, shutdown
-from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
+from vllm_saguaro.vllm_glue.vllm_logs import (engine_failures_explained, send_engine_stderr_to,
+                                              send_vllm_logs_to)
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "2",
        "HF_HUB_OFFLINE": "1", "RAY_AUTH_MODE": "disabled", "TOKENIZERS_PARALLELISM": "false",
@@ -263,7 +264,8 @@ def make_engine(target: str, spec: dict | None, s: Settings):
 
     return LLM(model=target, speculative_config=spec, enforce_eager=not s.compile, seed=0, dtype=s.dtype,
                max_model_len=s.max_model_len, max_num_seqs=max(s.batches),
-               disable_log_stats=False)
+               disable_log_stats=False,
+               use_tqdm_on_load=False)  # vLLM's loading bar ignores TQDM_DISABLE
 
 
 def snapshot(llm) -> tuple[dict, dict]:
@@ -1182,12 +1184,15 @@ def main(argv=None) -> dict | None:
     log_file = Path(args.log_file) if args.log_file else out / "vllm.log"
     log_file.parent.mkdir(parents=True, exist_ok=True)
     send_vllm_logs_to(str(log_file))
+    send_engine_stderr_to(str(log_file))
     log(f"vLLM's own log: {log_file}")
-    target, draft = resolve_models(args)
-    prompts = load_prompts(args, target, s)
-    log(f"{s.mode}: {len(plan_systems(s))} systems, sets {', '.join(f'{k}={len(v)}' for k, v in prompts.items())}, "
-        f"batches {s.batches}, T {s.temperatures}, {s.max_tokens} tokens")
-    result = run_benchmark(s, target, draft, prompts)
+    with engine_failures_explained(str(log_file), "benchmarks.run"):
+        target, draft = resolve_models(args)
+        prompts = load_prompts(args, target, s)
+        log(f"{s.mode}: {len(plan_systems(s))} systems, sets "
+            f"{', '.join(f'{k}={len(v)}' for k, v in prompts.items())}, "
+            f"batches {s.batches}, T {s.temperatures}, {s.max_tokens} tokens")
+        result = run_benchmark(s, target, draft, prompts)
     if args.project:
         add_projection(result, args.gpu_target_tok_s, args.gpu_draft_ms)
     write_results(result, out)

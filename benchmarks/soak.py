@@ -31,7 +31,8 @@ from pathlib import Path
 import requests
 import yaml
 
-from vllm_saguaro.vllm_glue.vllm_logs import send_vllm_logs_to
+from vllm_saguaro.vllm_glue.vllm_logs import (engine_failures_explained, send_engine_stderr_to,
+                                              send_vllm_logs_to)
 
 MODEL_NAME = "soak"
 
@@ -403,11 +404,15 @@ def main() -> None:
     if args.speculate_always:
         spec["controller"] = {"policy": "fixed"}
     jobs = make_jobs(completions, chats, args.jobs, max_tokens=max_tokens)
-    send_vllm_logs_to(str(args.out / "reference.log"))
+    reference_log = str(args.out / "reference.log")
+    send_vllm_logs_to(reference_log)
+    send_engine_stderr_to(reference_log)
     print(f"plain decoding's answers for {sum(j.greedy for j in jobs)} greedy jobs "
-          f"(vLLM's log: {args.out / 'reference.log'}) ...", flush=True)
-    reference = plain_reference(str(target), jobs, max_model_len=max_len, enforce_eager=True,
-                                seed=0, dtype="float32")
+          f"(vLLM's log: {reference_log}) ...", flush=True)
+    with engine_failures_explained(reference_log, "benchmarks.soak"):
+        reference = plain_reference(str(target), jobs, max_model_len=max_len,
+                                    enforce_eager=True, seed=0, dtype="float32",
+                                    use_tqdm_on_load=False)
     print(f"server with SSD; {args.clients} clients for {args.minutes} min ...", flush=True)
     with serve(str(target), spec, args.out, ["--max-model-len", str(max_len), "--enforce-eager",
                                               "--seed", "0", "--dtype", "float32"]) as (url, proc):

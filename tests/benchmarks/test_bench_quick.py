@@ -42,6 +42,10 @@ def test_quick_mode_writes_results(tmp_path, tiny_target, tiny_draft):
     vllm_log = (out / "vllm.log").read_text()
     assert "vllm" in vllm_log and "INFO" in vllm_log, vllm_log[:500]
     assert " INFO " not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+    # nor the weights' loading bar, nor what an engine's process prints as it imports
+    # vLLM: the engines' stderr goes to the log file too
+    for line in ("Loading safetensors", "Triton is installed"):
+        assert line not in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
     assert "[bench" in proc.stdout
 
     result = json.loads((out / "latest.json").read_text())

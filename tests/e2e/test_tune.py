@@ -53,3 +53,26 @@ def test_tune_writes_a_valid_recommended_config(tmp_path, tiny_target, tiny_draf
     cfg = load_config(str(out))
     assert cfg.num_speculative_tokens == result["recommended_k"] in (1, 2)
     assert cfg.controller.policy == "auto" and cfg.controller.target_fixed_s > 0
+
+
+def test_an_engine_that_fails_to_start_ends_tune_with_its_cause(tmp_path, tiny_target,
+                                                                 tiny_draft):
+    """The engines' stderr goes to the log file, and with it vLLM's root cause: tune
+    brings it back to the terminal (vllm_logs.engine_failures_explained)."""
+    out = tmp_path / "saguaro.yaml"
+    cmd = [sys.executable, "-m", "vllm_saguaro.vllm_glue.cli", "tune", str(tiny_target),
+           "--draft", str(tiny_draft), "--batches", "1", "--num-prompts", "1",
+           "--max-tokens", "4", "--dtype", "float32", "--max-model-len", "256",
+           "--out", str(out)]
+    # more KV cache than the machine has: the engine's worker fails at its start; the
+    # engine in a process of its own, as users start it (the tests' default is in-process,
+    # where the cause is raised in tune's process and reaches the terminal as it is)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "100000", "RAY_AUTH_MODE": "disabled",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "vllm-saguaro tune: RuntimeError: Engine core initialization failed" in proc.stderr, proc.stderr[-3000:]
+    assert f"the engine's error, from {tmp_path / 'saguaro.tune.log'}" in proc.stderr
+    assert "VLLM_CPU_KVCACHE_SPACE" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and not out.exists()
+    assert "vllm-saguaro tune: ended by\nTraceback" in (tmp_path / "saguaro.tune.log").read_text()

@@ -47,7 +47,8 @@ import yaml
 from vllm_saguaro.core.controller import StepCost, auto_regime
 from vllm_saguaro.core.placement import BIND_ENV, swap_environ
 from vllm_saguaro.core.theory import sd_rate, ssd_rate
-from vllm_saguaro.vllm_glue.vllm_logs import send_engine_stderr_to, send_vllm_logs_to
+from vllm_saguaro.vllm_glue.vllm_logs import (engine_failures_explained, send_engine_stderr_to,
+                                              send_vllm_logs_to)
 
 # Prompts when the user gives none: mixed chat and code, like the reference pair's sets.
 DEFAULT_PROMPTS = [
@@ -415,6 +416,12 @@ def main(argv=None) -> dict:
     send_vllm_logs_to(args.log_file)
     send_engine_stderr_to(args.log_file)
     log(f"vLLM's own log: {args.log_file}")
+    with engine_failures_explained(args.log_file, "vllm-saguaro tune"):
+        return tune(args, t0)
+
+
+def tune(args, t0: float) -> dict:
+    """The steps (see the module's docstring), their predictions, the yaml, the check."""
     prompts = read_prompts(args.prompts, prompts_needed(args.num_prompts, max(args.batches)))
     log(f"target {args.target}, draft {args.draft}, batches {args.batches}, "
         f"{len(prompts)} prompts x {args.max_tokens} tokens")

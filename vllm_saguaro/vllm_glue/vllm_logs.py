@@ -1,8 +1,13 @@
 """vLLM's log lines into a file: for the tools that start engines (`vllm-saguaro tune`,
-`benchmarks.soak`), whose own few lines of progress must not drown in vLLM's."""
+the benchmarks), whose own few lines of progress must not drown in vLLM's; and, when an
+engine fails, its cause brought back from that file to the terminal."""
 
 import json
 import os
+import re
+import sys
+import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -41,11 +46,58 @@ def send_engine_stderr_to(path: str) -> None:
     ("Triton is installed, but doesn't include CPU backend"), Python's FutureWarnings,
     and torch's C++ NUMA warning. This process's own errors and warnings still reach
     the terminal (sys.stderr stays there)."""
-    import sys
-
     sys.stderr.flush()
     terminal = os.dup(2)
     fd = os.open(os.path.abspath(path), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     os.dup2(fd, 2)
     os.close(fd)
     sys.stderr = os.fdopen(terminal, "w", buffering=1)
+
+
+# A traceback's last line, unindented: "RuntimeError: Worker failed with error '...'".
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)(: |$)")
+
+
+def failure_causes(text: str, most: int = 3) -> list[str]:
+    """The exceptions named in a log's text (each traceback's last line), the last
+    `most` distinct ones, oldest first: an engine's worker and its core process both
+    log the same root cause, each with its traceback."""
+    causes: list[str] = []
+    for line in text.splitlines():
+        if _EXCEPTION_LINE.match(line):
+            if line in causes:
+                causes.remove(line)
+            causes.append(line)
+    return causes[-most:]
+
+
+@contextmanager
+def engine_failures_explained(path: str, tool: str):
+    """An exception out of the block that the log at `path` (where send_engine_stderr_to
+    sent the engines' stderr) explains ends the tool with those causes on the terminal
+    and the tool's own traceback appended to the log. Without it the terminal showed
+    vLLM's "Engine core initialization failed. See root cause above", the cause being
+    in the log file (measured: tune with VLLM_CPU_KVCACHE_SPACE=500, the cause a
+    RuntimeError naming the memory asked for and the memory there). An exception the
+    log does not explain (none of its lines since the block began names one) passes."""
+    try:
+        since = os.path.getsize(path)
+    except OSError:
+        since = 0
+    try:
+        yield
+    except Exception as err:  # noqa: BLE001 - re-raised below unless the log explains it
+        try:
+            with open(path, errors="replace") as f:
+                f.seek(since)
+                causes = failure_causes(f.read())
+        except OSError:
+            causes = []
+        if not causes:
+            raise
+        with open(path, "a") as f:
+            f.write(f"{tool}: ended by\n{traceback.format_exc()}")
+        lines = "\n  ".join(c if len(c) <= 600 else c[:600] + " ..." for c in causes)
+        said = str(err).replace("See root cause above. ", "")[:300]  # (it is below)
+        raise SystemExit(f"{tool}: {type(err).__name__}: {said}\n"
+                         f"the engine's error, from {path}:\n  {lines}") from None
