@@ -780,6 +780,68 @@ def test_sd_on_the_lent_cores_is_taken_up_only_with_a_margin(tiny_target):
     assert w._idle_limit(1) is None
 
 
+def test_a_new_requests_glue_round_does_not_end_sd_on_the_lent_cores(tiny_target, hf):
+    """A new sequence makes its step SSD's (the glue pass of its prompt); where SD on the
+    lent cores ran before it, the step after still counts it as going on
+    (_lent_sd_continues: no entry margin), so that a rate within the margin of plain
+    decoding keeps it rather than idling. Not where SSD ran before the new sequence."""
+    from vllm_saguaro.core.controller import LENT_SD_ENTRY_MARGIN
+
+    w = lent_worker(tiny_target, regime="auto")
+    p, q = [5, 17, 99, 3, 250, 7], [9, 8, 7, 6, 5, 4]
+    w.step([("a", None, p, None)], [], ())
+    w.prespeculate()
+    _, _, _, idle, lent_sd = w.step([("a", hf_greedy(hf, p, 1), None, None)], [], ())
+    assert idle is None and lent_sd and w._lent_sd_continues()
+    # request a ends, b comes: its glue round is SSD's, and SD on the lent cores goes on
+    _, _, _, idle, lent_sd = w.step([("b", None, q, None)], ["a"], ())
+    assert idle is None and not lent_sd and w._lent_sd_steps == 0
+    assert w._glue_detour and w._lent_sd_continues()
+    w.prespeculate()
+    plain = 1 / w._plain_s()(1)
+    w._ssd_rate = lambda b, now: 0.0
+    w._lent_sd_rate = lambda b, now, measured=True: plain * (1 + LENT_SD_ENTRY_MARGIN / 2)
+    _, _, _, idle, lent_sd = w.step([("b", hf_greedy(hf, q, 1), None, None)], [], ())
+    assert idle is None and lent_sd and not w._glue_detour
+    # SSD ran before the new sequence: its glue round continues nothing
+    w._lent_sd_rate = lambda b, now, measured=True: 0.0
+    w._ssd_rate = lambda b, now: 10 * plain
+    w._lent_sd_steps = 0
+    w.prespeculate()
+    w.step([("c", None, p, None)], ["b"], ())
+    assert not w._glue_detour and not w._lent_sd_continues()
+
+
+def test_explorations_of_ssd_that_lose_back_off(tiny_target):
+    """An exploration of SSD after which SSD is not chosen doubles the wait before the
+    next at that batch size (SSD_EXPLORE_BACKOFF_MAX doublings at most); one after
+    which SSD runs, or text that moved the match share, ends the backoff."""
+    from vllm_saguaro.draft.regime import SSD_EXPLORE_BACKOFF_MAX, SSD_EXPLORE_S
+
+    w = lent_worker(tiny_target, regime="auto")
+    w._ssd_explored = {}
+    now = time.perf_counter()
+    for lost in range(SSD_EXPLORE_BACKOFF_MAX + 2):
+        assert w._ssd_lost.get(1, 0) == lost
+        wait = SSD_EXPLORE_S * 2 ** min(lost, SSD_EXPLORE_BACKOFF_MAX)
+        w._ssd_explored[1] = now - wait + 1.0
+        assert not w._ssd_unmeasured(1, now)
+        w._ssd_explored[1] = now - wait - 1.0
+        assert w._ssd_unmeasured(1, now)
+        w._lent_sd, w._limit = True, None  # the step after it: SD on the lent cores
+        w._after_ssd_exploration(1)
+    w._after_ssd_exploration(2)  # another batch size counts apart
+    assert w._ssd_lost == {1: SSD_EXPLORE_BACKOFF_MAX + 2, 2: 1}
+    w._lent_sd = False  # SSD chosen after an exploration: no backoff there
+    w._after_ssd_exploration(1)
+    assert w._ssd_lost == {2: 1}
+    # text whose share of 3-token matches moved: what was measured, and lost, is gone
+    w.cfg.fallback = "auto"
+    matching = [1, 2, 3, 4] * 20
+    w._see_text([("t", None, matching, None)])
+    assert w.stats.text_changes == 1 and w._ssd_lost == {}  # (TEXT_CHANGE_SHARE)
+
+
 def test_a_close_idle_is_rechecked_soon_and_then_tried_again(tiny_target):
     """Where SD on the lent cores' model is within CLOSE_SHARE of plain decoding and it
     has paid before, the idle advice asks for a recheck after CLOSE_RECHECK_S, and where
@@ -1191,8 +1253,12 @@ def test_ssd_is_explored_where_sd_on_the_lent_cores_is_chosen(tiny_target, hf):
         [("a", results[0][0] + hf_greedy(hf, out + results[0][0], 1), None, None)], [], ())
     assert lent_sd and w.stats.ssd_explores == 1  # explored: the models decide
     assert w._ssd_explore_ended and not w._exploring_ssd
+    # SSD not chosen after it: the next waits twice as long (SSD_EXPLORE_BACKOFF_MAX)
+    assert w._ssd_lost == {1: 1}
     w._ssd_explored[1] -= SSD_EXPLORE_S
     w.realized.forget(1)
+    assert not w._ssd_explore_due(1)
+    w._ssd_explored[1] -= SSD_EXPLORE_S
     assert w._ssd_explore_due(1) and w.stats.ssd_explores == 2
     assert [w._ssd_exploration_goes_on(1) for _ in range(2)] == [True, True]
     assert not w._ssd_exploration_goes_on(2) and not w._ssd_exploration_goes_on(1)

@@ -60,6 +60,16 @@ LENT_REPROBE_KEEP = 0.1
 SSD_EXPLORE_ROUNDS = 48
 SSD_EXPLORE_S = 60.0
 
+# An exploration of SSD after which SSD was not chosen (it lost to SD on the lent cores
+# or the idle) makes the next one at that batch size wait SSD_EXPLORE_S doubled, for
+# each such exploration in a row (up to 4x); one after which SSD runs, or text or
+# sampling that changed what the regimes gave (TEXT_CHANGE_SHARE, SAMPLING_CHANGE_SHARE),
+# ends the backoff. Traced at batch 1 (MT-Bench, T = 0, issue 19's twenty-fifth round):
+# SSD gave 19-20 tok/s where SD on the lent cores gave 23, and an exploration every
+# ~70 s ran its 48 rounds over one and a half prompts each time, 1.13x and 0.95x
+# plain decoding on those prompts where SD on the lent cores pinned ran 1.49x and 1.20x.
+SSD_EXPLORE_BACKOFF_MAX = 2  # doublings
+
 # SSD is tried from an idle (_ssd_try_due: SSD_EXPLORE_ROUNDS of its rounds, on a recheck
 # after CLOSE_RECHECK_S) at a batch size where it was not measured nor explored for
 # SSD_EXPLORE_S and its model puts it within SSD_TRY_SHARE of plain decoding: while idle
@@ -222,6 +232,7 @@ class RegimeChoice:
         if abs(self.fast_acceptance.shares()[-1] - before) >= TEXT_CHANGE_SHARE:
             self.realized.forget_all()
             self.lent_sd_realized.forget_all()
+            self._ssd_lost.clear()  # (SSD_EXPLORE_BACKOFF_MAX)
             self.stats.text_changes += 1
 
     def _see_sampling(self, updates: list[Update]) -> None:
@@ -241,6 +252,7 @@ class RegimeChoice:
         if abs(share - before) >= SAMPLING_CHANGE_SHARE:
             self.realized.forget_all()
             self.lent_sd_realized.forget_all()
+            self._ssd_lost.clear()
             self.stats.sampling_changes += 1
 
     def _catch_up_tokens(self, updates: list[Update]) -> int:
@@ -514,10 +526,21 @@ class RegimeChoice:
 
     def _ssd_unmeasured(self, batch: int, now: float) -> bool:
         """SSD neither measured at this batch size (RealizedRate: what it gave is kept
-        SSD_EXPLORE_S) nor explored there for SSD_EXPLORE_S: an exploration may start
-        (_ssd_explore_due, _ssd_try_due)."""
+        SSD_EXPLORE_S) nor explored there for SSD_EXPLORE_S, doubled for each
+        exploration in a row after which SSD was not chosen (SSD_EXPLORE_BACKOFF_MAX):
+        an exploration may start (_ssd_explore_due, _ssd_try_due)."""
+        wait = SSD_EXPLORE_S * 2 ** min(self._ssd_lost.get(batch, 0), SSD_EXPLORE_BACKOFF_MAX)
         return (self.realized.rate(batch, now) is None
-                and now - self._ssd_explored.get(batch, -SSD_EXPLORE_S) >= SSD_EXPLORE_S)
+                and now - self._ssd_explored.get(batch, -wait) >= wait)
+
+    def _after_ssd_exploration(self, batch: int) -> None:
+        """The step after an exploration of SSD chose its regime: SSD not chosen (SD on
+        the lent cores, or the idle) counts against the next exploration there
+        (SSD_EXPLORE_BACKOFF_MAX); SSD chosen ends the backoff."""
+        if self._lent_sd or self._limit is not None:
+            self._ssd_lost[batch] = self._ssd_lost.get(batch, 0) + 1
+        else:
+            self._ssd_lost.pop(batch, None)
 
     def _start_ssd_exploration(self, batch: int, left: int) -> None:
         """An exploration of SSD at this batch size (SSD_EXPLORE_ROUNDS): `left`, the
@@ -574,8 +597,15 @@ class RegimeChoice:
     def _lent_sd_continues(self) -> bool:
         """SD on the lent cores would go on, not be taken up (lent_sd_worth's margin): the
         last step was one, or tries it after a close idle (_explore), or ended an
-        exploration of SSD that began from it (a detour that measured the other)."""
-        return self._lent_sd_steps > 0 or self._explore > 0 or self._ssd_explore_ended
+        exploration of SSD that began from it (a detour that measured the other), or
+        was SSD's only for a new sequence's glue pass where SD on the lent cores ran
+        (_glue_detour: the switch back is the new prompt's, which no choice spares).
+        Traced at batch 1 (MT-Bench, T = 0, issue 19's twenty-fifth round): each new
+        request's glue round put the next step's choice under the entry margin, and
+        what SD on the lent cores had given (21.2 tok/s) then fell below plain
+        decoding's 20.8 with it: the draft idled through that prompt."""
+        return (self._lent_sd_steps > 0 or self._explore > 0 or self._ssd_explore_ended
+                or self._glue_detour)
 
     def _lent_sd_step(self, updates: list[Update]) -> bool:
         """Whether this step is SD on the lent cores (controller.regime; auto: where it is

@@ -194,6 +194,12 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         self._exploring_ssd = self._ssd_explore_ended = False  # (and it ended last step)
         self._ssd_explore, self._ssd_explore_batch = 0, 0
         self._ssd_explored: dict[int, float] = {}
+        # per batch size, explorations in a row after which SSD was not chosen
+        # (regime.py SSD_EXPLORE_BACKOFF_MAX)
+        self._ssd_lost: dict[int, int] = {}
+        # the last step was SSD's only for a new sequence's glue pass, where SD on the
+        # lent cores ran before it (regime.py _lent_sd_continues)
+        self._glue_detour = False
         self._ssd_try_batch: int | None = None  # an idle there tries SSD on waking
         # steps in a row that were SSD's on continuing sequences (not idle, not lent_sd,
         # none new), up to the last one: the realized rate measures SSD from the second
@@ -393,9 +399,14 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
                              and self._lent_sd_step(updates))
             if self._lent_sd and self._ssd_explore_due(len(updates)):
                 self._lent_sd, self._exploring_ssd = False, True
+            if self._ssd_explore_ended:
+                self._after_ssd_exploration(len(updates))
+            ssd, new = self._limit is None and not self._lent_sd, self._any_new(updates)
+            self._glue_detour = (ssd and new and not self._exploring_ssd
+                                 and self.cfg.controller.regime == "auto"
+                                 and self._lent_sd_continues())
             self.stats.lent_sd_steps += self._lent_sd
             self._lent_sd_steps = self._lent_sd_steps + 1 if self._lent_sd else 0
-            ssd, new = self._limit is None and not self._lent_sd, self._any_new(updates)
             steady = ssd and not new
             # the target's next step runs beside this call's pre-speculation, which
             # prefills a new prompt (its glue pass): not one of the target's own cost
