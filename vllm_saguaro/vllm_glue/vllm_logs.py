@@ -88,9 +88,9 @@ def engine_failures_explained(path: str, tool: str):
         yield
     except Exception as err:  # noqa: BLE001 - re-raised below unless the log explains it
         try:
-            with open(path, errors="replace") as f:
+            with open(path, "rb") as f:  # (a byte offset: text files seek by cookies)
                 f.seek(since)
-                causes = failure_causes(f.read())
+                causes = failure_causes(f.read().decode(errors="replace"))
         except OSError:
             causes = []
         if not causes:
@@ -100,4 +100,5 @@ def engine_failures_explained(path: str, tool: str):
         lines = "\n  ".join(c if len(c) <= 600 else c[:600] + " ..." for c in causes)
         said = str(err).replace("See root cause above. ", "")[:300]  # (it is below)
         raise SystemExit(f"{tool}: {type(err).__name__}: {said}\n"
-                         f"the engine's error, from {path}:\n  {lines}") from None
+                         f"the engine's error, from {path} (where this traceback is "
+                         f"appended):\n  {lines}") from None
