@@ -71,7 +71,8 @@ def test_an_engine_that_fails_to_start_ends_tune_with_its_cause(tmp_path, tiny_t
            "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "vllm-saguaro tune: RuntimeError: Engine core initialization failed" in proc.stderr, proc.stderr[-3000:]
+    assert ("vllm-saguaro tune: RuntimeError: Engine core initialization failed"
+            in proc.stderr), proc.stderr[-3000:]
     assert f"the engine's error, from {tmp_path / 'saguaro.tune.log'} (" in proc.stderr
     assert "VLLM_CPU_KVCACHE_SPACE" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr and not out.exists()
