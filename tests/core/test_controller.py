@@ -6,7 +6,8 @@ import random
 import pytest
 
 from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
-                                          choose_lengths, expected_tokens)
+                                          choose_lengths, expected_tokens, schedule_limit,
+                                          scheduled_k)
 
 
 def linear(fixed, per_token):
@@ -386,3 +387,22 @@ def test_ssd_takes_over_from_sd_on_the_lent_cores_only_with_a_margin():
     assert not lent_sd_pays(30.0 * m * 1.01, 30.0, continuing=True)
     assert not lent_sd_pays(30.0 * m * 0.99, 30.0)  # not running: merely ahead suffices
     assert not lent_sd_pays(10.0, None, continuing=True)
+
+
+def test_scheduled_k_reads_vllms_schedule():
+    """Ranges as vLLM's scheduler reads them: a gap and the tail carry the K before them,
+    K caps every entry, no schedule is K everywhere (vLLM's own lookup is compared in
+    tests/vllm_glue/test_patches.py)."""
+    sched = [(1, 2, 3), (3, 4, 2), (8, 8, 5), (9, 16, 0)]
+    got = [scheduled_k(sched, b, 4) for b in range(1, 21)]
+    assert got == [3, 3, 2, 2, 2, 2, 2, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+    assert [scheduled_k(None, b, 4) for b in (1, 64)] == [4, 4]
+
+
+def test_schedule_limit_is_the_largest_batch_below_that_may_send():
+    sched = [(1, 2, 3), (3, 8, 0), (9, 12, 1), (13, 1024, 0)]
+    assert schedule_limit(sched, 16, 3) == 12
+    assert schedule_limit(sched, 12, 3) == 11 and schedule_limit(sched, 8, 3) == 2
+    assert schedule_limit(sched, 1, 3) == 0
+    assert schedule_limit([(1, 1024, 0)], 4, 3) == 0
+

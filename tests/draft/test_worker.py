@@ -424,6 +424,24 @@ def test_k_cap_from_vllms_schedule(tiny_target):
     assert len(spec) == 1
 
 
+def test_a_batch_size_vllms_schedule_sends_nothing_at_idles_the_draft(tiny_target):
+    """K = 0 in vLLM's schedule at this batch size: whatever the policy, the draft idles
+    (the proposer lends its cores and asks for no pre-speculation) until the batch
+    shrinks to the largest size the schedule lets send (core/controller.py
+    schedule_limit), not called every round."""
+    updates = [(r, None, [5, 17, 99, 3 + i], None) for i, r in enumerate("abcd")]
+    for policy in ("fixed", "auto"):
+        w = worker(tiny_target, controller={"policy": policy},
+                   num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 1024, 0]])
+        results, _, _, idle, lent_sd = w.step(updates, [], DEAR, k_cap=0)
+        assert all(d == [] for d, _, _ in results) and not lent_sd
+        assert idle is not None and idle.limit == 2 and not idle.probe and idle.lookup is None
+    pinned = worker(tiny_target, controller={"policy": "fixed"},
+                    num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 1024, 0]])
+    results, _, _, idle, _ = pinned.step(updates[:2], [], DEAR, k_cap=3)
+    assert all(len(d) == 3 for d, _, _ in results) and idle is None
+
+
 def test_sampled_confidence_only_where_no_drawn_token_decides(tiny_target):
     """Losslessness of the controller at T > 0: a sampled speculation's alphas must not
     depend on its own drawn tokens, so only the first (an expectation over q) is kept."""

@@ -54,7 +54,7 @@ def run_all(llm, stop_params):
 @pytest.mark.parametrize("variant", ["ssd", "forced_miss", "sync_sd", "geometric", "probable",
                                      "fast_fallback", "auto_fallback", "mixed_lengths",
                                      "nothing_sent", "controller", "geometric_ops",
-                                     "idle_lookup"])
+                                     "idle_lookup", "schedule"])
 def test_greedy_identical(tiny_target, spec_base, reference, variant, monkeypatch):
     ref, stop_params = reference
     spec = dict(spec_base)
@@ -81,6 +81,9 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant, monkeypatc
                     fanout={"policy": "probable", "budget": 8})
     elif variant == "idle_lookup":  # the draft idles; the proposer's lookup drafts, K each
         spec.update(controller={"policy": "auto", "force_idle_lookup": True}, fallback="auto")
+    elif variant == "schedule":  # K pinned, vLLM's schedule: nothing sent from batch 3
+        spec.update(controller={"policy": "fixed"},
+                    num_speculative_tokens_per_batch_size=[[1, 2, 3], [3, 1024, 0]])
     llm = make_llm(tiny_target, spec)
     before = saguaro_counters(llm)
     got = run_all(llm, stop_params)
@@ -108,6 +111,10 @@ def test_greedy_identical(tiny_target, spec_base, reference, variant, monkeypatc
         assert m.drain_rounds > 0
         assert delta["vllm:spec_decode_num_drafts"] > 0
         assert delta["vllm:spec_decode_num_accepted_tokens"] > 0
+        return
+    if variant == "schedule":  # the draft idles where the schedule sends nothing
+        assert m.idle_rounds > 0 and sum(sent[1:3]) == 0 and sent[3] > 0, (m.idle_rounds, sent)
+        assert delta["vllm:spec_decode_num_drafts"] > 0
         return
     if variant == "controller":  # whatever it chose, every round is accounted for
         assert sum(sent) >= m.rounds > 0

@@ -679,3 +679,24 @@ def test_cpu_rejection_sample_verifies_sampled_batches_itself_and_keeps_vllms_gr
         args = _spec_batch(drafts, temps_now, seeded=seeded)
         assert torch.equal(got, vllm_own(*args))
     assert not calls
+
+
+def test_scheduled_k_is_vllms_schedule():
+    """core/controller.py scheduled_k (the draft worker's idle under vLLM's schedule)
+    against the lookup vLLM 0.32's scheduler builds, on random schedules with gaps."""
+    import random
+
+    from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+    from vllm_saguaro.core.controller import scheduled_k
+
+    rng = random.Random(0)
+    for _ in range(200):
+        sched, first = [], 1
+        while first <= 40:
+            last = first + rng.randrange(6)
+            sched.append((first, last, rng.randrange(5)))
+            first = last + 1 + rng.choice((0, 0, 3))  # some gaps
+        k, max_batch = rng.randrange(1, 5), rng.randrange(1, 60)
+        dense = build_dynamic_sd_schedule_lookup([list(r) for r in sched], max_batch, k)
+        assert [scheduled_k(sched, b, k) for b in range(1, max_batch + 1)] == dense[1:], sched
+

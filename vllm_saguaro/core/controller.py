@@ -172,6 +172,34 @@ def draft_more_pays(now: list[Candidate], more: list[Candidate],
             > choose_lengths(now, target_s, zero, spent_s).rate + 1e-12)
 
 
+def scheduled_k(schedule, batch: int, k: int) -> int:
+    """The most tokens a sequence may send at this batch size under vLLM's hand-written
+    schedule (num_speculative_tokens_per_batch_size: (first, last, K) ranges, sorted, the
+    first from batch 1), as vLLM 0.32's scheduler reads it
+    (v1/spec_decode/dynamic/utils.py build_dynamic_sd_schedule_lookup): a batch size in
+    a gap or past the last range takes the K of the range before it; at most k."""
+    if not schedule:
+        return k
+    cap = None
+    for first, last, ks in schedule:
+        if batch < first:
+            break
+        cap = ks
+        if batch <= last:
+            break
+    return k if cap is None else min(k, cap)
+
+
+def schedule_limit(schedule, batch: int, k: int) -> int:
+    """The largest batch size below `batch` at which vLLM's schedule lets a sequence send
+    a token (scheduled_k), 0 if none: where it lets none at `batch`, the draft idles
+    while the batch is larger (DraftWorker's idle), as it would have nothing to send.
+    Measured before it (issue 19's twenty-fourth grid, K = 0 from batch 9): with the
+    controller's K pinned the draft was called every round at batch 16 and the target
+    kept to its own core, 0.50-0.55x plain vLLM on two cores."""
+    return next((b for b in range(batch - 1, 0, -1) if scheduled_k(schedule, b, k) > 0), 0)
+
+
 def batch_limit(speculative_rate: Callable[[int], float], plain_s: Callable[[int], float],
                 max_batch: int, idle_rate: Callable[[int], float] | None = None) -> int:
     """The largest batch size (up to max_batch) at which speculation's expected tokens per

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 from vllm_saguaro.core.controller import (Candidate, StepCost, batch_limit, beats_plain,
                                           catch_up_pays, lent_sd_pays, lent_sd_worth,
-                                          speculation_pays)
+                                          schedule_limit, speculation_pays)
 from vllm_saguaro.core.fallback import recent_matches
 from vllm_saguaro.core.idle_lookup import (LOOKUP_ENTRY_MARGIN, IdleLookupAdvice,
                                            idle_lookup_rate)
@@ -285,6 +285,11 @@ class RegimeChoice:
             return IdleAdvice(0, probe=False, lookup=IdleLookupAdvice(
                 (1.0,) * self.fast_acceptance.lengths, (1.0,) * self.fast_acceptance.lengths,
                 (1.0, 0.0), forced=True))
+        if self._cap == 0 and ctl.idle and ctl.force_lengths is None and batch:
+            # vLLM's schedule lets nothing be sent at this batch size, whatever the policy:
+            # plain decoding on every core until the batch shrinks to where it lets some
+            return IdleAdvice(schedule_limit(self.cfg.num_speculative_tokens_per_batch_size,
+                                             batch, self.K), probe=False)
         if (ctl.policy != "auto" or not ctl.idle or ctl.force_lengths is not None
                 or not self.target_cost.known or not batch or self._explore > 0):
             return None  # (_explore: trying SD on the lent cores after a close idle)
