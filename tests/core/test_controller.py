@@ -6,8 +6,8 @@ import random
 import pytest
 
 from vllm_saguaro.core.controller import (Candidate, RealizedRate, StepCost, batch_limit,
-                                          choose_lengths, expected_tokens, schedule_limit,
-                                          scheduled_k)
+                                          choose_lengths, expected_tokens, may_idle,
+                                          schedule_limit, scheduled_k)
 
 
 def linear(fixed, per_token):
@@ -405,4 +405,14 @@ def test_schedule_limit_is_the_largest_batch_below_that_may_send():
     assert schedule_limit(sched, 12, 3) == 11 and schedule_limit(sched, 8, 3) == 2
     assert schedule_limit(sched, 1, 3) == 0
     assert schedule_limit([(1, 1024, 0)], 4, 3) == 0
+
+
+def test_the_draft_may_idle_under_auto_or_a_schedule_with_a_zero():
+    """Where the draft may idle its cores are lent on CPU (vllm_glue/lending.py): with K
+    pinned too once vLLM's schedule lets nothing be sent at some batch size."""
+    zero, none = [(1, 4, 3), (5, 1024, 0)], [(1, 4, 3), (5, 1024, 1)]
+    assert may_idle("auto", True, None) and may_idle("auto", True, none)
+    assert may_idle("fixed", True, zero)
+    assert not may_idle("fixed", True, None) and not may_idle("fixed", True, none)
+    assert not may_idle("auto", False, zero) and not may_idle("fixed", False, zero)
 

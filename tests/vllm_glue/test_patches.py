@@ -700,3 +700,16 @@ def test_scheduled_k_is_vllms_schedule():
         dense = build_dynamic_sd_schedule_lookup([list(r) for r in sched], max_batch, k)
         assert [scheduled_k(sched, b, k) for b in range(1, max_batch + 1)] == dense[1:], sched
 
+
+def test_the_target_starts_lent_where_the_draft_may_idle():
+    """The target's worker starts on the draft's cores too (patch_omp_binding) exactly
+    where the proposer lends them: the controller's auto policy, or K pinned with vLLM's
+    schedule sending nothing at some batch size; never with lend_cores off."""
+    sched = {"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 1024, 0]]}
+    assert patches._lends_cores({})
+    assert not patches._lends_cores({"controller": {"policy": "fixed"}})
+    assert patches._lends_cores({"controller": {"policy": "fixed"}, **sched})
+    assert not patches._lends_cores({"controller": {"policy": "fixed", "lend_cores": False},
+                                     **sched})
+    assert not patches._lends_cores({"controller": {"idle": False}})
+

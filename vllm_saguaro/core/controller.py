@@ -190,6 +190,13 @@ def scheduled_k(schedule, batch: int, k: int) -> int:
     return k if cap is None else min(k, cap)
 
 
+def may_idle(policy: str, idle: bool, schedule) -> bool:
+    """Whether the draft may idle (and so lend its cores to the target on CPU): the
+    controller's `auto` policy with `idle` on, or vLLM's schedule letting no token be sent
+    at some batch size (schedule_limit) whatever the policy."""
+    return idle and (policy == "auto" or any(ks == 0 for _, _, ks in schedule or ()))
+
+
 def schedule_limit(schedule, batch: int, k: int) -> int:
     """The largest batch size below `batch` at which vLLM's schedule lets a sequence send
     a token (scheduled_k), 0 if none: where it lets none at `batch`, the draft idles

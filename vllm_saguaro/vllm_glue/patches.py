@@ -678,8 +678,11 @@ def _saguaro_cpu_cores(vllm_config) -> list[int] | None:
 
 def _lends_cores(cfg: dict) -> bool:
     """The controller may lend the draft's cores to the target (vllm_glue/lending.py)."""
+    from vllm_saguaro.core.controller import may_idle
+
     ctl = {"policy": "auto", "idle": True, "lend_cores": True, **(cfg.get("controller") or {})}
-    return ctl["policy"] == "auto" and ctl["idle"] and ctl["lend_cores"]
+    return ctl["lend_cores"] and may_idle(ctl["policy"], ctl["idle"],
+                                          cfg.get("num_speculative_tokens_per_batch_size"))
 
 
 def patch_omp_binding() -> None:

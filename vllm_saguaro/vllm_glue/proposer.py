@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_saguaro.config import SaguaroConfig
+from vllm_saguaro.core.controller import may_idle
 from vllm_saguaro.core.fallback import FastDraft, LookupWatch, ngram_match
 from vllm_saguaro.core.idle_lookup import IdleLookup
 from vllm_saguaro.core.outcome import is_consistent
@@ -207,7 +208,8 @@ class SaguaroProposer:
             if self.in_process:
                 bind_in_process_target(cfg.draft_cpu_cores)
             ctl = cfg.controller
-            if ctl.idle and ctl.lend_cores and ctl.policy == "auto" and not self.in_process:
+            if (ctl.lend_cores and not self.in_process
+                    and may_idle(ctl.policy, ctl.idle, cfg.num_speculative_tokens_per_batch_size)):
                 from vllm_saguaro.vllm_glue.lending import CoreLending, lending_binding
 
                 if lending_binding(cfg.draft_cpu_cores):
