@@ -443,7 +443,7 @@ def pool_starts(runs: list[dict]) -> list[dict]:
     and each start's tok/s total kept as `starts_tok_s` for the spread, its counters as
     `starts_counters` and its forward times as `starts_forward_ms` (a slow start is then
     told apart: at batch 4, T = 1, the slow starts were those in which the draft ran,
-    README issue 19's twentieth round)."""
+    docs/measurements.md, issue 19's twentieth round)."""
     pooled: dict[tuple, dict] = {}
     for r in runs:
         key = (r["system"], r["dataset"], r["temperature"], r["batch"])

@@ -97,7 +97,8 @@ class ControllerConfig(BaseModel):
         "too) and the target verifies on every core (no pre-speculation); auto: whichever "
         "is expected faster at the batch size running (plain decoding on every core when "
         "neither beats it; SD on the lent cores taken up only 5% ahead, "
-        "core/controller.py lent_sd_worth). README, issue 19's tenth and eleventh rounds")
+        "core/controller.py lent_sd_worth). docs/measurements.md, issue 19's tenth and "
+        "eleventh rounds")
     force_idle_lookup: bool = Field(
         False, description="testing switch: the draft idles at every batch size and the "
         "proposer's lookup drafts send every token they have (idle_lookup's losslessness "

@@ -8,9 +8,9 @@ edits, quoted input) still offers drafts at no cost: the continuation of the mos
 earlier occurrence of its last tokens (core/fallback.py ngram_match). Made where the
 tokens already are, in the target's process, such a draft costs only its verification's
 extra width. Measured at batch 4 on HumanEval (T = 0, the reference pair, a 2-core EPYC;
-README, issue 19's eighteenth round): the draft's rounds of lookup drafts gave 5.24
-tokens in 52.1 ms, of which the verification took 38.6-38.9 ms and about 13 ms was the
-round trip to the draft and its step; plain decoding ran 102-116 tok/s.
+docs/measurements.md, issue 19's eighteenth round): the draft's rounds of lookup drafts
+gave 5.24 tokens in 52.1 ms, of which the verification took 38.6-38.9 ms and about 13 ms
+was the round trip to the draft and its step; plain decoding ran 102-116 tok/s.
 
 Each step the controller's objective picks the lengths (core/controller.py
 choose_lengths: a lookup draft's tokens are free, each accepted at its match length's

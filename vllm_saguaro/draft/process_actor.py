@@ -1,11 +1,11 @@
 """The draft worker in a child process of its own, without Ray: the CPU draft's runtime.
 
 Why: an idle Ray cluster beside plain vLLM on both cores cost it 2-3% at batch 1 and 16
-(benchmarks/ray_idle_cost.py; README, issue 19's "Seventh round"). On CPU the draft's
-cores are lent to the target whenever the draft idles, and Ray's daemons and its actor's
-core worker (~530 wake-ups a second in all) share them with the target's borrowed
-OpenMP thread. A child process started here has no daemons: it sleeps in recv() until
-the target calls, and its two call threads sleep on a queue.
+(benchmarks/ray_idle_cost.py; docs/measurements.md, issue 19's "Seventh round"). On CPU
+the draft's cores are lent to the target whenever the draft idles, and Ray's daemons and
+its actor's core worker (~530 wake-ups a second in all) share them with the target's
+borrowed OpenMP thread. A child process started here has no daemons: it sleeps in
+recv() until the target calls, and its two call threads sleep on a queue.
 
 The handle looks like a Ray actor's to the caller (``handle.step.remote(...)`` returns
 a pending call), with the same concurrency (two calls at a time: step() must be able to

@@ -3,8 +3,8 @@ cores, with the plugin's defaults) and the actor itself (worker.py's DraftWorker
 
 On CPU the draft's cores are lent to the target whenever the draft idles, and Ray's
 daemons share them with the target's borrowed OpenMP thread: an idle Ray cluster beside
-plain vLLM on both cores cost it 2-3% at batch 1 and 16 (benchmarks/ray_idle_cost.py; README,
-issue 19's "Seventh round")."""
+plain vLLM on both cores cost it 2-3% at batch 1 and 16 (benchmarks/ray_idle_cost.py;
+docs/measurements.md, issue 19's "Seventh round")."""
 
 from __future__ import annotations
 
