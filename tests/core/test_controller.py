@@ -415,4 +415,3 @@ def test_the_draft_may_idle_under_auto_or_a_schedule_with_a_zero():
     assert may_idle("fixed", True, zero)
     assert not may_idle("fixed", True, None) and not may_idle("fixed", True, none)
     assert not may_idle("auto", False, zero) and not may_idle("fixed", False, zero)
-

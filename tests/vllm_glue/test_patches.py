@@ -712,4 +712,3 @@ def test_the_target_starts_lent_where_the_draft_may_idle():
     assert not patches._lends_cores({"controller": {"policy": "fixed", "lend_cores": False},
                                      **sched})
     assert not patches._lends_cores({"controller": {"idle": False}})
-

@@ -191,9 +191,9 @@ def scheduled_k(schedule, batch: int, k: int) -> int:
 
 
 def may_idle(policy: str, idle: bool, schedule) -> bool:
-    """Whether the draft may idle (and so lend its cores to the target on CPU): the
-    controller's `auto` policy with `idle` on, or vLLM's schedule letting no token be sent
-    at some batch size (schedule_limit) whatever the policy."""
+    """Whether the draft may idle (and so lend its cores to the target on CPU): `idle` on,
+    and the controller's `auto` policy or, whatever the policy, vLLM's schedule letting no
+    token be sent at some batch size (schedule_limit)."""
     return idle and (policy == "auto" or any(ks == 0 for _, _, ks in schedule or ()))
 
 
