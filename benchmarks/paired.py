@@ -2,7 +2,8 @@
 
 Usage:
     python -m benchmarks.paired [--batches 1,4,16] [--temperatures 0,1] [--repeats N]
-        [--prompts-per-set 8] [--max-tokens 64] [--vllm-starts 1] [--out DIR]
+        [--prompts-per-set 8] [--max-tokens 64] [--vllm-starts 1] [--beside-vllm]
+        [--blocks N] [--out DIR]
 
 Why: on these CPUs one engine start's decode speed differs from the next by ~5% (the
 median coefficient of variation of plain vLLM's starts over 14 cells), up to 25%. A grid
@@ -25,10 +26,23 @@ What the pairing changes: the controller's idle timers run on through the paused
 chunks (an idle's 30 s recheck comes sooner by their time), and what it measured
 of the last chunk may have expired (kept 30 s). vLLM's prefix cache serves the
 second run of a chunk's prompts; the alternation gives both sides as many first runs.
+
+`--beside-vllm` takes the start-to-start spread out of SSD against plain vLLM too: plain
+vLLM's engine (its own binding, as `--vllm-starts` starts it) is started beside the
+plugin's and stays resident through the block, and every chunk runs on it as a third
+side of each pair, in turn (arm_order: each side runs first, second and third alike
+over six pairs). An idle engine waits on its queue and its draft on its pipe, so the
+engine that runs has the cores to itself. The prefix caches are then reset before
+every run, so that each side prefills every chunk cold (with the plugin's two runs
+sharing one cache, vLLM's alone would otherwise prefill cold only in the first pass).
+SSD / plain vLLM and paused / plain vLLM are then ratios within the pairs, with their
+90% intervals; what is left between starts is each engine start's own speed, which
+more blocks (`--blocks`) average.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -77,12 +91,30 @@ def pair_order(i: int) -> tuple[bool, bool]:
     return (True, False) if i % 2 == 0 else (False, True)
 
 
+# The sides of a pair with plain vLLM beside (--beside-vllm): their orders in turn
+ARMS = ("paused", "ssd", "vllm")
+ARM_ORDERS = list(itertools.permutations(ARMS))
+
+
+def arm_order(i: int, beside: bool) -> tuple[str, ...]:
+    """The sides of pair i in the order they run: paused and SSD alternating first
+    (pair_order); with plain vLLM beside, the six orders of the three in turn, so that
+    over six pairs each side runs first, second and third twice."""
+    if beside:
+        return ARM_ORDERS[i % len(ARM_ORDERS)]
+    return tuple("paused" if p else "ssd" for p in pair_order(i))
+
+
 def set_paused(llm, paused: bool) -> None:
     if llm.collective_rpc("saguaro_pause", args=(paused,)) != [True]:
         raise SystemExit("the engine has no Saguaro proposer to pause")
 
 
-def run_chunk(llm, chunk: list[str], sp, max_tokens: int) -> dict:
+def run_chunk(llm, chunk: list[str], sp, max_tokens: int, cold: bool = False) -> dict:
+    """One chunk's run: its decode span, tok/s and counter deltas. cold: the engine's
+    prefix cache reset first (--beside-vllm)."""
+    if cold and not llm.reset_prefix_cache():
+        raise SystemExit("the engine's prefix cache could not be reset (requests still running)")
     before, _ = snapshot(llm)
     outs = llm.generate(chunk, sp, use_tqdm=False)
     after, _ = snapshot(llm)
@@ -125,29 +157,43 @@ def engine(system: System, spec: dict | None, prompts, target, s: Settings):
 
 
 def run_plugin_block(system: System, groups: list[tuple], prompts, target, draft,
-                     s: Settings, repeats: int) -> list[dict]:
+                     s: Settings, repeats: int, beside: System | None = None) -> list[dict]:
     """One engine start of `system`: every group's chunks, each run paused and as
-    configured (pair_order)."""
+    configured, and on plain vLLM's engine started beside it (`beside`), in turn
+    (arm_order)."""
     from vllm import SamplingParams
 
-    with engine(system, system.spec(draft, s), prompts, target, s) as llm:
+    with (engine(beside, None, prompts, target, s) if beside is not None
+          else _nothing()) as plain, engine(system, system.spec(draft, s), prompts, target, s) as llm:
         out = []
         for dataset, temperature, batch in groups:
             sp = SamplingParams(temperature=temperature, max_tokens=s.max_tokens, ignore_eos=True)
             rec = {"system": system.name, "dataset": dataset, "temperature": temperature,
                    "batch": batch, "paused": [], "ssd": []}
+            if plain is not None:
+                rec["vllm"] = []
             for i, chunk in enumerate(chunks(prompts[dataset], batch) * repeats):
-                for paused in pair_order(i):
-                    set_paused(llm, paused)
-                    rec["paused" if paused else "ssd"].append(run_chunk(llm, chunk, sp, s.max_tokens))
+                for arm in arm_order(i, plain is not None):
+                    if arm != "vllm":
+                        set_paused(llm, arm == "paused")
+                    rec[arm].append(run_chunk(plain if arm == "vllm" else llm, chunk, sp,
+                                              s.max_tokens, cold=plain is not None))
             set_paused(llm, False)
             summarize_pairs(rec)
+            beside_note = ("" if plain is None else f", SSD / plain vLLM beside "
+                           f"{rec['ssd_vs_beside']['geomean']:.3f} (90% "
+                           f"{_f(rec['ssd_vs_beside']['low'])}-{_f(rec['ssd_vs_beside']['high'])})")
             log(f"  {system.name} {dataset} T={temperature:g} b={batch}: SSD / paused "
                 f"{rec['ratio']['geomean']:.3f} (90% {_f(rec['ratio']['low'])}-"
-                f"{_f(rec['ratio']['high'])}, {rec['ratio']['n']} pairs), idle "
+                f"{_f(rec['ratio']['high'])}, {rec['ratio']['n']} pairs){beside_note}, idle "
                 f"{_f(rec['did']['idle_share'])}")
             out.append(rec)
         return out
+
+
+@contextmanager
+def _nothing():
+    yield None
 
 
 def run_vllm_block(system: System, groups: list[tuple], prompts, target, s: Settings,
@@ -168,11 +214,20 @@ def run_vllm_block(system: System, groups: list[tuple], prompts, target, s: Sett
 
 
 def summarize_pairs(rec: dict) -> None:
-    rec["ratio"] = ratio_interval([a["span_s"] / b["span_s"]
-                                   for a, b in zip(rec["paused"], rec["ssd"])])
+    """A cell's pairs: SSD / paused (tok/s, the inverse of the spans' ratio: both decode
+    the same tokens), and with plain vLLM beside (rec["vllm"]) SSD / plain vLLM and
+    paused / plain vLLM alike; medians of each side's tok/s; what SSD's runs did."""
+    def ratios(slower: str, faster: str) -> dict:
+        return ratio_interval([a["span_s"] / b["span_s"]
+                               for a, b in zip(rec[slower], rec[faster])])
+    rec["ratio"] = ratios("paused", "ssd")
     rec["paused_tok_s"] = statistics.median(r["tok_s"] for r in rec["paused"])
     rec["ssd_tok_s"] = statistics.median(r["tok_s"] for r in rec["ssd"])
     rec["did"] = controller_did([r["counters"] for r in rec["ssd"]])
+    if rec.get("vllm"):
+        rec["ssd_vs_beside"] = ratios("vllm", "ssd")
+        rec["paused_vs_beside"] = ratios("vllm", "paused")
+        rec["beside_tok_s"] = statistics.median(r["tok_s"] for r in rec["vllm"])
 
 
 def combine(plugin: list[dict], vllm: list[dict]) -> list[dict]:
@@ -188,8 +243,34 @@ def combine(plugin: list[dict], vllm: list[dict]) -> list[dict]:
         rows.append({**{k: rec[k] for k in ("system", "dataset", "temperature", "batch", "ratio",
                                              "paused_tok_s", "ssd_tok_s", "did")},
                      "vllm_tok_s": vllm_tok_s, "paused_vs_vllm": paused_vs,
-                     "ssd_vs_vllm": paused_vs * rec["ratio"]["geomean"] if paused_vs else None})
+                     "ssd_vs_vllm": paused_vs * rec["ratio"]["geomean"] if paused_vs else None,
+                     **{k: rec.get(k) for k in ("beside_tok_s", "ssd_vs_beside",
+                                                "paused_vs_beside")}})
     return rows
+
+
+def pooled(plugin: list[dict]) -> list[dict]:
+    """With plain vLLM beside, each system's cell over every block (engine starts): the
+    pairs of all its starts in one interval, SSD / plain vLLM and SSD / paused; one row
+    per system and cell run in more than one block."""
+    cells: dict[tuple, list[dict]] = {}
+    for rec in plugin:
+        if rec.get("vllm"):
+            key = (rec["system"], rec["dataset"], rec["temperature"], rec["batch"])
+            cells.setdefault(key, []).append(rec)
+    out = []
+    for (system, dataset, temperature, batch), recs in cells.items():
+        if len(recs) < 2:
+            continue
+        spans = lambda arm: [r["span_s"] for rec in recs for r in rec[arm]]  # noqa: E731
+        out.append({"system": system, "dataset": dataset, "temperature": temperature,
+                    "batch": batch, "starts": len(recs),
+                    "ssd_vs_beside": ratio_interval([a / b for a, b in zip(spans("vllm"),
+                                                                           spans("ssd"))]),
+                    "ssd_vs_paused": ratio_interval([a / b for a, b in zip(spans("paused"),
+                                                                           spans("ssd"))]),
+                    "per_start": [rec["ssd_vs_beside"]["geomean"] for rec in recs]})
+    return out
 
 
 def _f(x, fmt=".2f") -> str:
@@ -203,20 +284,39 @@ def markdown(result: dict) -> str:
              f"{m['prompts_per_set']} prompts per set, {m['max_tokens']} tokens, "
              f"passes over each set: {m['repeats']}; {m['vllm_starts']} plain vLLM start(s) "
              "per block. SSD / paused: geometric mean over the pairs, with its 90% interval "
-             "(within the start). Paused / vLLM: medians of the chunks' tok/s, across starts.",
+             "(within the start). Paused / vLLM: medians of the chunks' tok/s, across starts."
+             + (" Plain vLLM beside: started beside each plugin start, every chunk run on "
+                "it too, in turn (prefix caches reset before every run); its ratios are "
+                "within the pairs, with their 90% intervals." if m.get("beside_vllm") else ""),
              "", "| system | set | T | b | pairs | SSD / paused | 90% | paused tok/s | "
-                 "SSD tok/s | vLLM 2c tok/s | paused / vLLM | SSD / vLLM | idle | lent SD | "
+                 "SSD tok/s | vLLM 2c tok/s | paused / vLLM | SSD / vLLM | vLLM beside tok/s | "
+                 "**SSD / vLLM beside** | 90% | paused / vLLM beside | idle | lent SD | "
                  "idle lookup | tokens / row |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
-        q, d = r["ratio"], r["did"]
+        q, d, b = r["ratio"], r["did"], r.get("ssd_vs_beside") or {}
         lines.append(f"| {r['system']} | {r['dataset']} | {r['temperature']:g} | {r['batch']} | "
                      f"{q['n']} | "
                      f"{q['geomean']:.3f} | {_f(q['low'], '.3f')}-{_f(q['high'], '.3f')} | "
                      f"{r['paused_tok_s']:.1f} | {r['ssd_tok_s']:.1f} | {_f(r['vllm_tok_s'], '.1f')} | "
                      f"{_f(r['paused_vs_vllm'], '.3f')} | {_f(r['ssd_vs_vllm'], '.3f')} | "
+                     f"{_f(r.get('beside_tok_s'), '.1f')} | **{_f(b.get('geomean'), '.3f')}** | "
+                     f"{_f(b.get('low'), '.3f')}-{_f(b.get('high'), '.3f')} | "
+                     f"{_f((r.get('paused_vs_beside') or {}).get('geomean'), '.3f')} | "
                      f"{_f(d['idle_share'])} | {_f(d['lent_sd_share'])} | "
                      f"{_f(d['idle_lookup_share'])} | {_f(d['tokens_per_row'])} |")
+    if result.get("pooled"):
+        lines += ["", "Pooled over the blocks (engine starts), plain vLLM beside: every pair of "
+                  "every start in one interval.", "",
+                  "| system | set | T | b | starts | pairs | **SSD / vLLM beside** | 90% | "
+                  "per start | SSD / paused | 90% |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["pooled"]:
+            b, q = r["ssd_vs_beside"], r["ssd_vs_paused"]
+            lines.append(f"| {r['system']} | {r['dataset']} | {r['temperature']:g} | "
+                         f"{r['batch']} | {r['starts']} | {b['n']} | **{b['geomean']:.3f}** | "
+                         f"{_f(b['low'], '.3f')}-{_f(b['high'], '.3f')} | "
+                         f"{', '.join(f'{x:.3f}' for x in r['per_start'])} | "
+                         f"{q['geomean']:.3f} | {_f(q['low'], '.3f')}-{_f(q['high'], '.3f')} |")
     return "\n".join(lines) + "\n"
 
 
@@ -235,6 +335,12 @@ def parse_args(argv=None):
                    "each a start of its own per block, in turn")
     p.add_argument("--vllm-starts", type=int, default=1,
                    help="plain vLLM (2 cores) starts per block, after the plugin's (0: none)")
+    p.add_argument("--beside-vllm", action="store_true",
+                   help="start plain vLLM (2 cores) beside each plugin start and run every "
+                        "chunk on it too, in turn: SSD / plain vLLM within the pairs; the "
+                        "prefix caches reset before every run")
+    p.add_argument("--blocks", type=int, default=1,
+                   help="each batch size's starts this many times over (new engines each)")
     p.add_argument("--out", default="benchmarks/results/paired")
     p.add_argument("--log-file", help="vLLM's own log (default: vllm.log in --out)")
     p.add_argument("--target"), p.add_argument("--draft")
@@ -245,6 +351,8 @@ def parse_args(argv=None):
         p.error("--max-tokens must be >= 2 (decode time is first to last token)")
     if args.repeats is not None and args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.blocks < 1:
+        p.error("--blocks must be >= 1")
     return args
 
 
@@ -292,27 +400,34 @@ def measure(args, s, out: Path, cores: list[int], batches: list[int], temps: lis
             "target": target, "draft": draft, "cores": cores,
             "max_tokens": args.max_tokens, "prompts_per_set": args.prompts_per_set,
             "repeats": args.repeats or "enough for 6 pairs",
-            "vllm_starts": args.vllm_starts, "systems": names}
+            "vllm_starts": args.vllm_starts, "systems": names,
+            "beside_vllm": args.beside_vllm, "blocks": args.blocks}
     plugin, vllm = [], []
 
     def write() -> dict:  # after every start: a long run stopped keeps what it measured
-        result = {"meta": meta, "plugin": plugin, "vllm": vllm, "rows": combine(plugin, vllm)}
+        result = {"meta": meta, "plugin": plugin, "vllm": vllm, "rows": combine(plugin, vllm),
+                  "pooled": pooled(plugin)}
         (out / "latest.json").write_text(json.dumps(result, indent=1))
         (out / "latest.md").write_text(markdown(result))
         return result
 
-    for b in batches:
-        per_set = min(len(v) for v in prompts.values())
-        repeats = args.repeats or max(1, math.ceil(6 / max(1, math.ceil(per_set / b))))
-        groups = [(d, t, b) for t in temps for d in prompts]
-        for name in names:
-            log(f"b={b}: {name}, {repeats} pass(es), paired")
-            plugin += run_plugin_block(known[name], groups, prompts, target, draft, s, repeats)
-            write()
-        for i in range(args.vllm_starts):
-            log(f"b={b}: plain vLLM 2c, start {i + 1}/{args.vllm_starts}")
-            vllm += run_vllm_block(ar, groups, prompts, target, s, repeats)
-            write()
+    beside = ar if args.beside_vllm else None
+    for block in range(args.blocks):
+        for b in batches:
+            per_set = min(len(v) for v in prompts.values())
+            repeats = args.repeats or max(1, math.ceil(6 / max(1, math.ceil(per_set / b))))
+            groups = [(d, t, b) for t in temps for d in prompts]
+            of = f" (block {block + 1}/{args.blocks})" if args.blocks > 1 else ""
+            for name in names:
+                log(f"b={b}: {name}, {repeats} pass(es), paired"
+                    + (", plain vLLM beside" if beside else "") + of)
+                plugin += run_plugin_block(known[name], groups, prompts, target, draft, s,
+                                           repeats, beside)
+                write()
+            for i in range(args.vllm_starts):
+                log(f"b={b}: plain vLLM 2c, start {i + 1}/{args.vllm_starts}{of}")
+                vllm += run_vllm_block(ar, groups, prompts, target, s, repeats)
+                write()
     result = write()
     print(markdown(result))
     return result

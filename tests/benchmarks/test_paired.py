@@ -53,3 +53,59 @@ def test_a_cell_combines_the_pairs_with_plain_vllms_chunks():
                                    "max_tokens": 64, "repeats": 1, "vllm_starts": 1},
                           "rows": [row]})
     assert f"| SSD-K3 | humaneval | 0 | 1 | 2 | {rec['ratio']['geomean']:.3f} |" in md
+
+
+def test_with_plain_vllm_beside_each_side_runs_in_each_place_alike():
+    orders = [paired.arm_order(i, beside=True) for i in range(12)]
+    assert all(sorted(o) == sorted(paired.ARMS) for o in orders)
+    assert len(set(orders[:6])) == 6 and orders[6:] == orders[:6]  # the six orders, in turn
+    for place in range(3):  # over six pairs, each side runs in each place twice
+        assert {a: sum(o[place] == a for o in orders[:6]) for a in paired.ARMS} == \
+            dict.fromkeys(paired.ARMS, 2)
+    # without plain vLLM beside: the two sides, alternating
+    assert [paired.arm_order(i, beside=False) for i in range(2)] == [("paused", "ssd"),
+                                                                    ("ssd", "paused")]
+
+
+def _cell(vllm_spans, paused_spans, ssd_spans, dataset="mt_bench"):
+    rec = {"system": "SSD-K3", "dataset": dataset, "temperature": 1.0, "batch": 4,
+           "paused": [_run(x, idle=60, sent=(60,)) for x in paused_spans],
+           "ssd": [_run(x, idle=60, sent=(60,)) for x in ssd_spans],
+           "vllm": [_run(x) for x in vllm_spans]}
+    paired.summarize_pairs(rec)
+    return rec
+
+
+def test_plain_vllm_beside_is_compared_within_the_pairs():
+    # the machine slows down through the cell: across pairs tok/s halve, but within each
+    # pair SSD runs in 0.9 of plain vLLM's time and paused in 0.95
+    vllm = [2.0, 3.0, 4.0]
+    rec = _cell(vllm, [0.95 * x for x in vllm], [0.9 * x for x in vllm])
+    assert math.isclose(rec["ssd_vs_beside"]["geomean"], 1 / 0.9)
+    assert math.isclose(rec["ssd_vs_beside"]["low"], 1 / 0.9)  # no spread within pairs
+    assert math.isclose(rec["paused_vs_beside"]["geomean"], 1 / 0.95)
+    assert math.isclose(rec["beside_tok_s"], 63 / 3.0)
+    # the medians across pairs alone would say otherwise: 63/3 vs 63/(0.9*3)
+    row, = paired.combine([rec], [])
+    assert math.isclose(row["ssd_vs_beside"]["geomean"], 1 / 0.9)
+    assert row["ssd_vs_vllm"] is None  # no separate plain vLLM start
+    # a cell without plain vLLM beside has none of these
+    plain = _cell([], [2.0], [1.8])
+    assert "ssd_vs_beside" not in plain and paired.combine([plain], [])[0]["ssd_vs_beside"] is None
+
+
+def test_blocks_pool_every_pair_of_every_start():
+    a = _cell([2.0, 2.0], [2.0, 2.0], [1.6, 1.6])          # start 1: SSD 1.25x
+    b = _cell([2.0, 2.0], [2.0, 2.0], [2.5, 2.5])          # start 2: SSD 0.8x
+    other = _cell([2.0], [2.0], [1.0], dataset="humaneval")  # one start only: not pooled
+    pool, = paired.pooled([a, b, other])
+    assert pool["starts"] == 2 and pool["ssd_vs_beside"]["n"] == 4
+    assert math.isclose(pool["ssd_vs_beside"]["geomean"], 1.0)  # 1.25 and 0.8 average to 1
+    assert pool["per_start"] == [a["ssd_vs_beside"]["geomean"], b["ssd_vs_beside"]["geomean"]]
+    assert math.isclose(pool["ssd_vs_paused"]["geomean"], 1.0)
+    md = paired.markdown({"meta": {"started": "t", "command": "c", "prompts_per_set": 8,
+                                   "max_tokens": 64, "repeats": 1, "vllm_starts": 0,
+                                   "beside_vllm": True},
+                          "rows": paired.combine([a, b], []), "pooled": [pool]})
+    assert "| SSD-K3 | mt_bench | 1 | 4 | 2 | 4 | **1.000** |" in md
+    assert "**1.250** |" in md  # the first start's row
