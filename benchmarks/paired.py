@@ -37,7 +37,8 @@ every run, so that each side prefills every chunk cold (with the plugin's two ru
 sharing one cache, vLLM's alone would otherwise prefill cold only in the first pass).
 SSD / plain vLLM and paused / plain vLLM are then ratios within the pairs, with their
 90% intervals; what is left between starts is each engine start's own speed, which
-more blocks (`--blocks`) average.
+more blocks (`--blocks`) average; the two engines start in one order in odd blocks
+and in the other in even ones.
 """
 from __future__ import annotations
 
@@ -49,7 +50,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from benchmarks.run import (ENV, Settings, System, chunks, decode_times, diff, environment,
@@ -157,21 +158,32 @@ def engine(system: System, spec: dict | None, prompts, target, s: Settings):
 
 
 def run_plugin_block(system: System, groups: list[tuple], prompts, target, draft,
-                     s: Settings, repeats: int, beside: System | None = None) -> list[dict]:
+                     s: Settings, repeats: int, beside: System | None = None,
+                     plugin_first: bool = False) -> list[dict]:
     """One engine start of `system`: every group's chunks, each run paused and as
     configured, and on plain vLLM's engine started beside it (`beside`), in turn
-    (arm_order)."""
+    (arm_order). plugin_first: the plugin's engine starts before plain vLLM's (measure
+    alternates it by block, so neither always gets the machine's memory first)."""
     from vllm import SamplingParams
 
-    with (engine(beside, None, prompts, target, s) if beside is not None
-          else _nothing()) as plain, engine(system, system.spec(draft, s), prompts, target, s) as llm:
+    with ExitStack() as stack:
+        def start(which: str):
+            if which == "plugin":
+                return stack.enter_context(engine(system, system.spec(draft, s), prompts,
+                                                  target, s))
+            return None if beside is None else stack.enter_context(
+                engine(beside, None, prompts, target, s))
+        if plugin_first:
+            llm, plain = start("plugin"), start("vllm")
+        else:
+            plain, llm = start("vllm"), start("plugin")
         out = []
         for dataset, temperature, batch in groups:
             sp = SamplingParams(temperature=temperature, max_tokens=s.max_tokens, ignore_eos=True)
             rec = {"system": system.name, "dataset": dataset, "temperature": temperature,
                    "batch": batch, "paused": [], "ssd": []}
             if plain is not None:
-                rec["vllm"] = []
+                rec["vllm"], rec["started_first"] = [], "plugin" if plugin_first else "vllm"
             for i, chunk in enumerate(chunks(prompts[dataset], batch) * repeats):
                 for arm in arm_order(i, plain is not None):
                     if arm != "vllm":
@@ -190,10 +202,6 @@ def run_plugin_block(system: System, groups: list[tuple], prompts, target, draft
             out.append(rec)
         return out
 
-
-@contextmanager
-def _nothing():
-    yield None
 
 
 def run_vllm_block(system: System, groups: list[tuple], prompts, target, s: Settings,
@@ -269,8 +277,17 @@ def pooled(plugin: list[dict]) -> list[dict]:
                                                                            spans("ssd"))]),
                     "ssd_vs_paused": ratio_interval([a / b for a, b in zip(spans("paused"),
                                                                            spans("ssd"))]),
-                    "per_start": [rec["ssd_vs_beside"]["geomean"] for rec in recs]})
+                    "per_start": [rec["ssd_vs_beside"]["geomean"] for rec in recs],
+                    "first": [rec.get("started_first") for rec in recs]})
     return out
+
+
+def _per_start(pool: dict) -> str:
+    """A pooled cell's SSD / plain vLLM beside in each start, with which engine started
+    first there."""
+    firsts = pool.get("first") or [None] * len(pool["per_start"])
+    return ", ".join(f"{x:.3f}" + (f" ({w} first)" if w else "")
+                     for x, w in zip(pool["per_start"], firsts))
 
 
 def _f(x, fmt=".2f") -> str:
@@ -315,7 +332,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['system']} | {r['dataset']} | {r['temperature']:g} | "
                          f"{r['batch']} | {r['starts']} | {b['n']} | **{b['geomean']:.3f}** | "
                          f"{_f(b['low'], '.3f')}-{_f(b['high'], '.3f')} | "
-                         f"{', '.join(f'{x:.3f}' for x in r['per_start'])} | "
+                         f"{_per_start(r)} | "
                          f"{q['geomean']:.3f} | {_f(q['low'], '.3f')}-{_f(q['high'], '.3f')} |")
     return "\n".join(lines) + "\n"
 
@@ -422,7 +439,7 @@ def measure(args, s, out: Path, cores: list[int], batches: list[int], temps: lis
                 log(f"b={b}: {name}, {repeats} pass(es), paired"
                     + (", plain vLLM beside" if beside else "") + of)
                 plugin += run_plugin_block(known[name], groups, prompts, target, draft, s,
-                                           repeats, beside)
+                                           repeats, beside, plugin_first=block % 2 == 1)
                 write()
             for i in range(args.vllm_starts):
                 log(f"b={b}: plain vLLM 2c, start {i + 1}/{args.vllm_starts}{of}")

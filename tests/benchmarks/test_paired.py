@@ -97,6 +97,7 @@ def test_plain_vllm_beside_is_compared_within_the_pairs():
 def test_blocks_pool_every_pair_of_every_start():
     a = _cell([2.0, 2.0], [2.0, 2.0], [1.6, 1.6])          # start 1: SSD 1.25x
     b = _cell([2.0, 2.0], [2.0, 2.0], [2.5, 2.5])          # start 2: SSD 0.8x
+    a["started_first"], b["started_first"] = "vllm", "plugin"
     other = _cell([2.0], [2.0], [1.0], dataset="humaneval")  # one start only: not pooled
     pool, = paired.pooled([a, b, other])
     assert pool["starts"] == 2 and pool["ssd_vs_beside"]["n"] == 4
@@ -109,3 +110,4 @@ def test_blocks_pool_every_pair_of_every_start():
                           "rows": paired.combine([a, b], []), "pooled": [pool]})
     assert "| SSD-K3 | mt_bench | 1 | 4 | 2 | 4 | **1.000** |" in md
     assert "**1.250** |" in md  # the first start's row
+    assert "| 1.250 (vllm first), 0.800 (plugin first) |" in md
