@@ -257,9 +257,30 @@ def combine(plugin: list[dict], vllm: list[dict]) -> list[dict]:
     return rows
 
 
+def balanced_interval(groups: list[list[float]]) -> dict:
+    """Ratios from groups that may each carry a bias of their own (the start order of
+    the engines beside each other), each group weighing alike: the geometric mean of the
+    groups' geometric means, with a 90% t-interval from the groups' variances (df: the
+    smallest group's, which errs wide). One group: ratio_interval."""
+    groups = [g for g in groups if g]
+    if len(groups) == 1:
+        return ratio_interval(groups[0])
+    logs = [[math.log(r) for r in g] for g in groups]
+    centre = statistics.fmean(statistics.fmean(g) for g in logs)
+    out = {"n": sum(map(len, logs)), "geomean": math.exp(centre),
+           "median": statistics.median(r for g in groups for r in g), "low": None, "high": None}
+    if min(map(len, logs)) >= 2:
+        var = sum(statistics.variance(g) / len(g) for g in logs) / len(logs) ** 2
+        half = t90(min(map(len, logs)) - 1) * math.sqrt(var)
+        out["low"], out["high"] = math.exp(centre - half), math.exp(centre + half)
+    return out
+
+
 def pooled(plugin: list[dict]) -> list[dict]:
     """With plain vLLM beside, each system's cell over every block (engine starts): the
-    pairs of all its starts in one interval, SSD / plain vLLM and SSD / paused; one row
+    pairs of all its starts, SSD / plain vLLM with the starts of each order weighing
+    alike (balanced_interval: an A/A check, two plain vLLM engines side by side, put the
+    second-started one 5% ahead at batch 4), and SSD / paused in one interval; one row
     per system and cell run in more than one block."""
     cells: dict[tuple, list[dict]] = {}
     for rec in plugin:
@@ -270,13 +291,17 @@ def pooled(plugin: list[dict]) -> list[dict]:
     for (system, dataset, temperature, batch), recs in cells.items():
         if len(recs) < 2:
             continue
-        spans = lambda arm: [r["span_s"] for rec in recs for r in rec[arm]]  # noqa: E731
+
+        def ratios(slower: str, faster: str, first: str | None = None) -> list[float]:
+            return [a["span_s"] / b["span_s"] for rec in recs
+                    if first is None or rec.get("started_first") == first
+                    for a, b in zip(rec[slower], rec[faster])]
+        orders = sorted({rec.get("started_first") for rec in recs}, key=str)
         out.append({"system": system, "dataset": dataset, "temperature": temperature,
                     "batch": batch, "starts": len(recs),
-                    "ssd_vs_beside": ratio_interval([a / b for a, b in zip(spans("vllm"),
-                                                                           spans("ssd"))]),
-                    "ssd_vs_paused": ratio_interval([a / b for a, b in zip(spans("paused"),
-                                                                           spans("ssd"))]),
+                    "ssd_vs_beside": balanced_interval([ratios("vllm", "ssd", o)
+                                                        for o in orders]),
+                    "ssd_vs_paused": ratio_interval(ratios("paused", "ssd")),
                     "per_start": [rec["ssd_vs_beside"]["geomean"] for rec in recs],
                     "first": [rec.get("started_first") for rec in recs]})
     return out
@@ -324,7 +349,8 @@ def markdown(result: dict) -> str:
                      f"{_f(d['idle_lookup_share'])} | {_f(d['tokens_per_row'])} |")
     if result.get("pooled"):
         lines += ["", "Pooled over the blocks (engine starts), plain vLLM beside: every pair of "
-                  "every start in one interval.", "",
+                  "every start, the starts of each order (which engine started first) "
+                  "weighing alike in SSD / vLLM beside.", "",
                   "| system | set | T | b | starts | pairs | **SSD / vLLM beside** | 90% | "
                   "per start | SSD / paused | 90% |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in result["pooled"]:

@@ -111,3 +111,25 @@ def test_blocks_pool_every_pair_of_every_start():
     assert "| SSD-K3 | mt_bench | 1 | 4 | 2 | 4 | **1.000** |" in md
     assert "**1.250** |" in md  # the first start's row
     assert "| 1.250 (vllm first), 0.800 (plugin first) |" in md
+
+
+def test_the_start_orders_weigh_alike_in_the_pool():
+    # two starts with plain vLLM first (SSD 1.10x each) and one with the plugin first
+    # (0.90x): each order weighs half, not a third
+    firsts = [_cell([2.0, 2.0], [2.0, 2.0], [2.0 / 1.1, 2.0 / 1.1]) for _ in range(2)]
+    last = _cell([2.0, 2.0], [2.0, 2.0], [2.0 / 0.9, 2.0 / 0.9])
+    for rec, first in zip(firsts + [last], ("vllm", "vllm", "plugin")):
+        rec["started_first"] = first
+    pool, = paired.pooled(firsts + [last])
+    assert math.isclose(pool["ssd_vs_beside"]["geomean"], math.sqrt(1.1 * 0.9))
+    assert pool["ssd_vs_beside"]["n"] == 6
+    # one order only: every pair in one interval, as ratio_interval
+    one = paired.balanced_interval([[1.0, 1.2, 1.1]])
+    assert one == paired.ratio_interval([1.0, 1.2, 1.1])
+    # the interval: each order's variance of its mean, the smallest order's df
+    r = paired.balanced_interval([[1.0, 1.2], [0.9, 1.0, 1.1]])
+    logs = [[math.log(x) for x in (1.0, 1.2)], [math.log(x) for x in (0.9, 1.0, 1.1)]]
+    import statistics
+    half = paired.t90(1) * math.sqrt(sum(statistics.variance(g) / len(g) for g in logs) / 4)
+    assert math.isclose(math.log(r["high"]) - math.log(r["geomean"]), half, rel_tol=1e-9)
+    assert paired.balanced_interval([[1.1], [0.9, 1.0]])["low"] is None
