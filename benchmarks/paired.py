@@ -223,13 +223,18 @@ def run_vllm_block(system: System, groups: list[tuple], prompts, target, s: Sett
         return out
 
 
+def speedups(recs: list[dict], base: str, side: str) -> list[float]:
+    """Each pair's tok/s of `side` over `base` ("paused", "ssd", "vllm"), over the cells'
+    records `recs`: the inverse of their spans' ratio, as both decode the same tokens."""
+    return [a["span_s"] / b["span_s"] for rec in recs for a, b in zip(rec[base], rec[side])]
+
+
 def summarize_pairs(rec: dict) -> None:
-    """A cell's pairs: SSD / paused (tok/s, the inverse of the spans' ratio: both decode
-    the same tokens), and with plain vLLM beside (rec["vllm"]) SSD / plain vLLM and
-    paused / plain vLLM alike; medians of each side's tok/s; what SSD's runs did."""
-    def ratios(slower: str, faster: str) -> dict:
-        return ratio_interval([a["span_s"] / b["span_s"]
-                               for a, b in zip(rec[slower], rec[faster])])
+    """A cell's pairs: SSD / paused (speedups), and with plain vLLM beside (rec["vllm"])
+    SSD / plain vLLM and paused / plain vLLM alike; medians of each side's tok/s; what
+    SSD's runs did."""
+    def ratios(base: str, side: str) -> dict:
+        return ratio_interval(speedups([rec], base, side))
     rec["ratio"] = ratios("paused", "ssd")
     rec["paused_tok_s"] = statistics.median(r["tok_s"] for r in rec["paused"])
     rec["ssd_tok_s"] = statistics.median(r["tok_s"] for r in rec["ssd"])
@@ -293,17 +298,13 @@ def pooled(plugin: list[dict]) -> list[dict]:
     for (system, dataset, temperature, batch), recs in cells.items():
         if len(recs) < 2:
             continue
-
-        def ratios(slower: str, faster: str, first: str | None = None) -> list[float]:
-            return [a["span_s"] / b["span_s"] for rec in recs
-                    if first is None or rec.get("started_first") == first
-                    for a, b in zip(rec[slower], rec[faster])]
         orders = sorted({rec.get("started_first") for rec in recs}, key=str)
+        by_order = [[rec for rec in recs if rec.get("started_first") == o] for o in orders]
         out.append({"system": system, "dataset": dataset, "temperature": temperature,
                     "batch": batch, "starts": len(recs),
-                    "ssd_vs_beside": balanced_interval([ratios("vllm", "ssd", o)
-                                                        for o in orders]),
-                    "ssd_vs_paused": ratio_interval(ratios("paused", "ssd")),
+                    "ssd_vs_beside": balanced_interval([speedups(group, "vllm", "ssd")
+                                                        for group in by_order]),
+                    "ssd_vs_paused": ratio_interval(speedups(recs, "paused", "ssd")),
                     "per_start": [rec["ssd_vs_beside"]["geomean"] for rec in recs],
                     "first": [rec.get("started_first") for rec in recs]})
     return out
