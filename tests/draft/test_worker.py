@@ -1,6 +1,7 @@
 """The draft worker against transformers: forward, fallback drafts and tree-decoded branches."""
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -936,6 +937,22 @@ def test_a_try_that_did_not_pay_backs_off_the_next(tiny_target):
     assert w._idle_limit(1).recheck_s == CLOSE_RECHECK_S and w._idle_limit(1).new_text
 
 
+def ssd_alone_worker(tiny_target):
+    """A lent worker past its first round, SSD the only way to speculate (SD on the lent
+    cores no option), never explored; SSD's model and rate at `model.share` of plain
+    decoding's rate. Returns the worker, plain decoding's rate and `model`."""
+    w = lent_worker(tiny_target, regime="auto")
+    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
+    w.prespeculate()
+    w._ssd_explored = {}
+    plain = 1 / w._plain_s()(1)
+    model = SimpleNamespace(share=1.0)
+    w._lent_sd_rate = lambda b, now, measured=True: None
+    w._expected_rate = lambda b: plain * model.share
+    w._ssd_rate = lambda b, now: plain * model.share
+    return w, plain, model
+
+
 def test_an_idle_tries_ssd_where_it_was_not_measured_lately(tiny_target):
     """An idle at a batch size where SSD was neither measured nor explored for
     SSD_EXPLORE_S, its model within SSD_TRY_SHARE of plain decoding: the recheck comes
@@ -945,18 +962,10 @@ def test_an_idle_tries_ssd_where_it_was_not_measured_lately(tiny_target):
     from vllm_saguaro.draft.regime import (CLOSE_RECHECK_S, SSD_EXPLORE_ROUNDS, SSD_EXPLORE_S,
                                            SSD_TRY_SHARE, IdleAdvice)
 
-    w = lent_worker(tiny_target, regime="auto")
-    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
-    w.prespeculate()
-    w._ssd_explored = {}
-    plain = 1 / w._plain_s()(1)
-    w._lent_sd_rate = lambda b, now, measured=True: None  # SSD alone
-    share = 1.0
-    w._expected_rate = lambda b: plain * share
-    w._ssd_rate = lambda b, now: plain * share
-    share = 1 - 2 * SSD_TRY_SHARE
+    w, plain, model = ssd_alone_worker(tiny_target)
+    model.share = 1 - 2 * SSD_TRY_SHARE
     assert w._idle_limit(1) == IdleAdvice(0, False)  # far below: the default recheck
-    share = 1 - SSD_TRY_SHARE / 2
+    model.share = 1 - SSD_TRY_SHARE / 2
     w._limit = w._idle_limit(1)
     assert w._limit == IdleAdvice(0, False, CLOSE_RECHECK_S)
     w._wake(1)
@@ -967,7 +976,7 @@ def test_an_idle_tries_ssd_where_it_was_not_measured_lately(tiny_target):
     w._ssd_explored[1] -= SSD_EXPLORE_S + 1
     assert w._idle_limit(1) == IdleAdvice(0, False, CLOSE_RECHECK_S)  # a minute on: again
     for _ in range(w.realized.min_rounds):
-        w.realized.observe(1, 1, 1.0 / (share * plain), time.perf_counter())
+        w.realized.observe(1, 1, 1.0 / (model.share * plain), time.perf_counter())
     assert w._idle_limit(1) == IdleAdvice(0, False)  # what SSD gave is known: no try
     w.realized.forget(1)
     w._limit = w._idle_limit(1)  # a try again, but woken at another batch size: neither
@@ -983,15 +992,8 @@ def test_an_idle_tries_ssd_again_only_once_its_model_rose(tiny_target):
     from vllm_saguaro.draft.regime import (CLOSE_RECHECK_S, SSD_EXPLORE_S, SSD_RETRY_RISE,
                                            SSD_RETRY_S, SSD_TRY_SHARE, IdleAdvice)
 
-    w = lent_worker(tiny_target, regime="auto")
-    w.step([("a", None, [5, 17, 99, 3, 250, 7], None)], [], ())
-    w.prespeculate()
-    w._ssd_explored = {}
-    plain = 1 / w._plain_s()(1)
-    w._lent_sd_rate = lambda b, now, measured=True: None  # SSD alone
-    share = 1 - 0.9 * SSD_TRY_SHARE
-    w._expected_rate = lambda b: plain * share
-    w._ssd_rate = lambda b, now: plain * share
+    w, _, model = ssd_alone_worker(tiny_target)
+    model.share = 1 - 0.9 * SSD_TRY_SHARE
     tried = IdleAdvice(0, False, CLOSE_RECHECK_S)
 
     def explore(then: IdleAdvice | None, advice=tried):
@@ -1005,17 +1007,17 @@ def test_an_idle_tries_ssd_again_only_once_its_model_rose(tiny_target):
         w._ssd_explored[1] -= 10 * SSD_EXPLORE_S  # past the explorations' backoff
 
     explore(then=IdleAdvice(0, False))  # tried, and lost
-    assert w._ssd_try_lost[1][0] == pytest.approx(share, rel=1e-6)
+    assert w._ssd_try_lost[1][0] == pytest.approx(model.share, rel=1e-6)
     assert w._idle_limit(1) == IdleAdvice(0, False) and w.stats.ssd_retries_held == 1
     w.cfg.fallback = "auto"  # text whose share of 3-token matches moved
     w._see_text([("t", None, [1, 2, 3, 4] * 20, None)])
     w.cfg.fallback = "neural"
     assert w.stats.text_changes == 1 and w._ssd_lost == {} and 1 in w._ssd_try_lost
     assert w._idle_limit(1) == IdleAdvice(0, False)  # the same model: held still
-    share *= 1 + SSD_RETRY_RISE / 2
+    model.share *= 1 + SSD_RETRY_RISE / 2
     assert w._idle_limit(1) == IdleAdvice(0, False)  # risen, not by enough
     assert w.stats.ssd_retries_held == 3
-    share *= 1 + SSD_RETRY_RISE
+    model.share *= 1 + SSD_RETRY_RISE
     explore(then=None)  # risen enough: tried, and SSD runs after it
     assert w._ssd_try_lost == {} and w.stats.ssd_explores == 2
     explore(then=IdleAdvice(0, False))  # lost again, at this model
