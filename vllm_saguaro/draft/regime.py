@@ -420,9 +420,9 @@ class RegimeChoice:
         Neither after a try that did not pay (_wake): a recheck after LENT_TRY_BACKOFF_S,
         doubled for each such try in a row."""
         plain = self._idle_bar(batch, plain_s)
-        self._ssd_try = self._ssd_try_due(batch, plain)
-        self._ssd_try_batch = None if self._ssd_try is None else batch
-        if self._ssd_try_batch is not None:
+        model = self._ssd_try_due(batch, plain)
+        self._ssd_try = None if model is None else (batch, model)
+        if self._ssd_try is not None:
             return IdleAdvice(limit, probe=False, recheck_s=CLOSE_RECHECK_S)
         expected = self._lent_sd_rate(batch, time.perf_counter(), measured=False)
         if expected is None or expected < (1.0 - CLOSE_SHARE) * plain:
@@ -490,10 +490,10 @@ class RegimeChoice:
         the model alone (its stale measurement forgotten, no entry margin), so that the
         next decision sees the text running now; or, where the idle said so
         (SSD_TRY_SHARE), explore SSD (SSD_EXPLORE_ROUNDS)."""
-        try_ssd, self._ssd_try_batch = self._ssd_try_batch, None
-        if self._limit is not None and try_ssd == batch:
+        try_ssd, self._ssd_try = self._ssd_try, None
+        if self._limit is not None and try_ssd is not None and try_ssd[0] == batch:
             # this step's _ssd_exploration_goes_on counts it as the first
-            self._start_ssd_exploration(batch, SSD_EXPLORE_ROUNDS, tried=self._ssd_try)
+            self._start_ssd_exploration(batch, SSD_EXPLORE_ROUNDS, tried=try_ssd[1])
         elif (self._limit is not None and try_ssd is None
               and (self._limit.recheck_s is not None or self._limit.new_text)):
             self.lent_sd_realized.forget(batch)

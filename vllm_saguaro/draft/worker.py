@@ -200,11 +200,11 @@ class DraftWorker(RegimeChoice, LengthPlanning, Drafting, Prespeculation):
         # the last step was SSD's only for a new sequence's glue pass, where SD on the
         # lent cores ran before it (regime.py _lent_sd_continues)
         self._glue_detour = False
-        self._ssd_try_batch: int | None = None  # an idle there tries SSD on waking
-        # that try's model against the idle's rate, and the exploration's now running
-        # (None: not a try from an idle); per batch size, the model at the last try that
-        # SSD lost there, and when (regime.py SSD_RETRY_RISE)
-        self._ssd_try: float | None = None
+        # an idle at this batch size tries SSD on waking, its model against the idle's
+        # rate then; the exploration now running's (None: not a try from an idle); per
+        # batch size, the model at the last try that SSD lost there, and when (regime.py
+        # SSD_RETRY_RISE)
+        self._ssd_try: tuple[int, float] | None = None
         self._ssd_explore_tried: float | None = None
         self._ssd_try_lost: dict[int, tuple[float, float]] = {}
         # steps in a row that were SSD's on continuing sequences (not idle, not lent_sd,
